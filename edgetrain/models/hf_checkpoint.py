@@ -1,0 +1,132 @@
+"""Load Hugging Face-format checkpoint directories (config.json + *.safetensors, sharded or not).
+
+Only safetensors are read: no pickle, so a checkpoint from an untrusted source cannot run code.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from edgetrain.models.llama import ConfigError
+from edgetrain.models.zoo import ARCHITECTURES
+from edgetrain.registry import EdgetrainError, UnknownNameError
+
+
+class CheckpointError(EdgetrainError, OSError):
+    """A checkpoint directory or file that is missing, damaged or does not fit the model."""
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face-format checkpoint directory)")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{config_path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_path}: must hold a JSON object")
+    return raw
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            shard_names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index_path}: damaged shard index ({exc!r})") from None
+        for name in shard_names:
+            if Path(name).name != name:  # a shard name must not escape the checkpoint directory
+                raise CheckpointError(f"{index_path}: shard name {name!r} is not a plain file name")
+        files = [directory / name for name in shard_names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+            raise CheckpointError(f"{directory}: only pickle weights (*.bin/*.pt) found; edgetrain loads "
+                                  "safetensors only (convert with transformers' save_pretrained(safe_serialization=True))")
+        raise CheckpointError(f"{directory}: no *.safetensors weight files")
+    return files
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError, OverflowError) as exc:
+        raise CheckpointError(f"{path}: damaged or unreadable safetensors file ({exc})") from None
+
+
+def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str,
+                 dtype: torch.dtype, key_map: Any = None) -> None:
+    """Assign checkpoint tensors to `model` (which may live on the meta device), strictly:
+    every parameter must be present with the right shape; unknown tensors are an error."""
+    expected = model.state_dict(keep_vars=True)
+    tied_aliases = _tied_aliases(model)
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        name = key_map(key) if key_map else key
+        if name is None or name in tied_aliases:
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{source}: tensor {key!r} does not belong to a {type(model).__name__}")
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{source}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                                  f"the model expects {want}")
+        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    missing = [k for k in expected if k not in state and k not in tied_aliases]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    model.load_state_dict(state, strict=False, assign=True)
+    _retie(model)
+
+
+def _tied_aliases(model: nn.Module) -> set[str]:
+    config = getattr(model, "config", None)
+    return {"head.lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+
+def _retie(model: nn.Module) -> None:
+    # assign=True replaced the embedding Parameter; the tied head must point at the new one.
+    if _tied_aliases(model):
+        model.head.lm_head.weight = model.embed.embed_tokens.weight
+
+
+def load_checkpoint_dir(directory: str | Path, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> nn.Module:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    raw = read_config(directory)
+    model_type = raw.get("model_type")
+    try:
+        build = ARCHITECTURES.get(str(model_type))
+    except UnknownNameError:
+        raise ConfigError(f"{directory / 'config.json'}: unsupported model_type {model_type!r}; "
+                          f"supported: {', '.join(ARCHITECTURES.names())}") from None
+    # Build on the meta device so the random init never costs memory or time; weights are then assigned.
+    with torch.device("meta"):
+        model = build(raw)
+    from edgetrain.models.llama import hf_key_to_edgetrain
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(directory):
+        for key, tensor in read_safetensors(path).items():
+            if key in tensors:
+                raise CheckpointError(f"{path}: tensor {key!r} appears in more than one shard")
+            tensors[key] = tensor
+    load_weights(model, tensors, str(directory), dtype, key_map=hf_key_to_edgetrain)
+    return model.to(device)

@@ -1,0 +1,286 @@
+"""Llama / Qwen2 decoder: token embedding, pre-norm RMSNorm blocks with RoPE grouped-query attention
+and a SwiGLU MLP, final norm, LM head (optionally tied to the embedding).
+
+Submodule names follow the Hugging Face checkpoints (q_proj, input_layernorm, ...) so that loading is a
+key rename, and the block view (embed / blocks / head) is what every training method walks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgetrain.registry import EdgetrainError
+
+# Sizes beyond these are not a decoder any device in scope could hold; a config past them is damaged.
+_MAX_DIM = 1 << 17
+_MAX_VOCAB = 1 << 22
+_MAX_LAYERS = 1024
+
+
+class ConfigError(EdgetrainError, ValueError):
+    """A model config (config.json or preset) whose values cannot describe a working model."""
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False  # q/k/v bias (always on in Qwen2)
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+        self.validate()
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def validate(self) -> None:
+        def check(name: str, ok: bool, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"config field {name!r} = {getattr(self, name)!r}: {why}")
+
+        for name, bound in [("vocab_size", _MAX_VOCAB), ("hidden_size", _MAX_DIM),
+                            ("intermediate_size", _MAX_DIM * 8), ("num_hidden_layers", _MAX_LAYERS),
+                            ("num_attention_heads", _MAX_DIM), ("num_key_value_heads", _MAX_DIM),
+                            ("max_position_embeddings", 1 << 24), ("head_dim", _MAX_DIM)]:
+            value = getattr(self, name)
+            check(name, isinstance(value, int) and not isinstance(value, bool),
+                  "must be an integer")
+            check(name, 0 < value <= bound, f"must be in 1..{bound}")
+        check("num_key_value_heads", self.num_attention_heads % self.num_key_value_heads == 0,
+              f"must divide num_attention_heads ({self.num_attention_heads})")
+        check("head_dim", self.head_dim % 2 == 0, "must be even for RoPE")
+        check("rms_norm_eps", isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1,
+              "must be in (0, 1)")
+        check("rope_theta", isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1,
+              "must be > 1")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            check("rope_scaling", kind in ("llama3", "default"),
+                  "only rope_type 'llama3' (or 'default') is supported")
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
+        """Build from a Hugging Face config.json dict, ignoring keys this model does not use."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config.json must hold a JSON object")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known and v is not None}
+        if raw.get("model_type") == "qwen2":
+            values["attention_bias"] = True  # Qwen2 always has q/k/v bias; its config does not say so
+        rope_params = raw.get("rope_parameters")
+        if isinstance(rope_params, dict):  # newer transformers nest theta and scaling here
+            values.setdefault("rope_theta", rope_params.get("rope_theta", cls.rope_theta))
+            if rope_params.get("rope_type", "default") != "default":
+                values.setdefault("rope_scaling", rope_params)
+        if values.get("rope_scaling", {}).get("rope_type", "default") == "default":
+            values.pop("rope_scaling", None)
+        for name in ("rms_norm_eps", "rope_theta"):
+            if name in values and isinstance(values[name], int) and not isinstance(values[name], bool):
+                values[name] = float(values[name])
+        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if n not in values]
+        if missing:
+            raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
+        values.setdefault("num_key_value_heads", values["num_attention_heads"])
+        try:
+            return cls(**values)
+        except TypeError as exc:  # e.g. a string where a number belongs
+            raise ConfigError(f"config.json has a field of the wrong type: {exc}") from None
+
+
+def rope_inverse_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim))
+    scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # Llama 3.1 long-context scaling: low frequencies slowed by `factor`, high kept, smooth in between.
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+def rope_cos_sin(config: LlamaConfig, seq_len: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, head_dim] (halves repeated, as in rotate_half RoPE)."""
+    inv_freq = rope_inverse_frequencies(config, device)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementations do, so bf16 models match them.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(config.hidden_size, nh * hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(cfg, seq_len, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=cfg.kv_groups > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)
+
+
+class LMHead(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only LM exposing the block view: embed -> blocks -> head (final norm + LM head)."""
+
+    task = "lm"
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = TokenEmbedding(config)
+        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(config.num_hidden_layers))
+        self.head = LMHead(config)
+        if config.tie_word_embeddings:
+            self.head.lm_head.weight = self.embed.embed_tokens.weight
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(token_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = 0) -> None:
+        """Random init as the reference models do (normal(0, std) linears/embeddings, unit norms)."""
+        generator = torch.Generator(device="cpu")
+        if seed is not None:
+            generator.manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+
+# Hugging Face key -> edgetrain key (applied to prefixes).
+_HF_PREFIXES = [("model.embed_tokens.", "embed.embed_tokens."), ("model.layers.", "blocks."),
+                ("model.norm.", "head.norm."), ("lm_head.", "head.lm_head.")]
+# Keys some checkpoints carry that hold nothing a forward needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_key_to_edgetrain(key: str) -> str | None:
+    """Map a checkpoint tensor name to this model's parameter name; None for ignorable keys."""
+    if key.endswith(_IGNORED_SUFFIXES):
+        return None
+    for hf_prefix, our_prefix in _HF_PREFIXES:
+        if key.startswith(hf_prefix):
+            return our_prefix + key[len(hf_prefix):]
+    return key
+
+
+def edgetrain_key_to_hf(key: str) -> str:
+    for hf_prefix, our_prefix in _HF_PREFIXES:
+        if key.startswith(our_prefix):
+            return hf_prefix + key[len(our_prefix):]
+    return key
