@@ -28,7 +28,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(str(tensor.dtype).encode())
         digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 
@@ -92,3 +92,58 @@ def load_safetensors_checked(path: str | Path) -> tuple[dict[str, torch.Tensor],
     if tensors_sha256(tensors) != expected:
         raise CorruptCheckpointError(f"checkpoint {path} fails its checksum (the file was damaged after writing)")
     return tensors, metadata
+
+
+def flatten_optimizer_state(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split torch optimizer state into tensors (for safetensors) and a JSON-able remainder."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, object]] = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{index}/{key}"] = value
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return tensors, {"scalars": scalars, "param_groups": state["param_groups"]}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
+    state: dict[int, dict[str, object]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer/"):
+            _, index, key = name.split("/", 2)
+            state.setdefault(int(index), {})[key] = value
+    for index, values in rest["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def rotating_checkpoint_paths(directory: str | Path) -> list[Path]:
+    """Checkpoints written by save_rotating, newest first."""
+    return sorted(Path(directory).glob("step-*.safetensors"), reverse=True)
+
+
+def save_rotating(tensors: dict[str, torch.Tensor], metadata: dict[str, str], directory: str | Path,
+                  step: int, keep: int = 2) -> Path:
+    """Write step-NNNNNNNN.safetensors atomically, then drop all but the newest `keep`."""
+    path = atomic_save_safetensors(tensors, Path(directory) / f"step-{step:08d}.safetensors", metadata)
+    for old in rotating_checkpoint_paths(directory)[max(keep, 1):]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest_good(directory: str | Path, warn=print) -> tuple[Path, dict[str, torch.Tensor], dict[str, str]]:
+    """The newest checkpoint in `directory` that passes its checksum; damaged newer ones are reported."""
+    candidates = rotating_checkpoint_paths(directory)
+    if not candidates:
+        raise CorruptCheckpointError(f"no checkpoint (step-*.safetensors) in {directory}")
+    problems = []
+    for path in candidates:
+        try:
+            tensors, metadata = load_safetensors_checked(path)
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+            warn(f"edgetrain: skipping {exc}; trying the previous checkpoint")
+            continue
+        return path, tensors, metadata
+    raise CorruptCheckpointError("every checkpoint in " f"{directory} is damaged: " + "; ".join(problems))

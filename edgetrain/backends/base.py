@@ -1,0 +1,32 @@
+"""Backend adapters: where tensors live, how to wait for the device, which probe reads its memory.
+
+Kept deliberately small (what a method needs stays in that method)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from edgetrain.registry import EdgetrainError, Registry
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    framework: str                      # "torch" or "mlx": which model classes it runs
+    device: str                         # framework device string
+    default_probe: str                  # name in edgetrain.probes.PROBES
+    synchronize: Callable[[], None]     # wait for queued device work (timing must not stop early)
+    availability: Callable[[], tuple[bool, str]]
+
+    def require(self) -> "Backend":
+        ok, reason = self.availability()
+        if not ok:
+            raise EdgetrainError(f"backend {self.name!r} is not available here: {reason}")
+        return self
+
+
+BACKENDS: Registry[Backend] = Registry("backend")
+
+
+def get_backend(name: str) -> Backend:
+    return BACKENDS.get(name).require()

@@ -1,0 +1,24 @@
+"""torch on a CUDA GPU (a server GPU, or the Jetson AGX Orin's integrated one)."""
+from __future__ import annotations
+
+import torch
+
+from edgetrain.backends.base import BACKENDS, Backend
+
+
+def _availability() -> tuple[bool, str]:
+    if not torch.backends.cuda.is_built():
+        return False, "this torch build has no CUDA support (a CPU wheel)"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible (torch.cuda.is_available() is False)"
+    return True, ""
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+BACKENDS.add("torch-cuda", Backend(name="torch-cuda", framework="torch", device="cuda",
+                                   default_probe="cuda", synchronize=_synchronize,
+                                   availability=_availability))

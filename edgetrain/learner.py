@@ -1,0 +1,256 @@
+"""The streaming-learner interface: feed a batch, take a step, read stats.
+
+    learner = Learner(model, method="mesp", backend="torch-cpu", optimizer="adamw", lr=1e-4)
+    stats = learner.step(batch)          # StepStats: loss, tokens, seconds, peak memory
+    loss, grads = learner.compute_gradients(batch)
+    learner.fit(stream, max_steps=100, checkpoint_every=20, checkpoint_dir="ckpt")
+
+Everything else (how a gradient is produced) belongs to the method; where memory is read belongs to
+the probe; where tensors live belongs to the backend.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from edgetrain import backends as _backends  # noqa: F401  (registers backends)
+from edgetrain import methods as _methods  # noqa: F401  (registers methods)
+from edgetrain.backends import get_backend
+from edgetrain.checkpoint import (atomic_save_safetensors, flatten_optimizer_state, load_latest_good,
+                                  load_safetensors_checked, save_rotating, unflatten_optimizer_state)
+from edgetrain.data.batch import Batch
+from edgetrain.losses import task_loss
+from edgetrain.methods.base import METHODS, trainable_parameters
+from edgetrain.optimizers import make_optimizer
+from edgetrain.registry import EdgetrainError
+
+CHECKPOINT_FORMAT = "edgetrain-learner-1"
+
+
+class TrainingError(EdgetrainError, RuntimeError):
+    """A step that could not be taken (non-finite loss, memory budget exceeded, ...)."""
+
+
+@dataclass
+class StepStats:
+    step: int               # steps completed after this one
+    loss: float
+    samples: int
+    tokens: int
+    seconds: float
+    peak_bytes: int | None  # peak above the pre-step baseline, as read by `probe`; None if no probe
+    probe: str
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _resolve_probe(probe: Any, backend_probe: str):
+    if probe is False or probe is None and backend_probe is None:
+        return None
+    from edgetrain.probes import PROBES
+
+    if probe is None or isinstance(probe, str):
+        probe = PROBES.get(probe or backend_probe)()
+    ok, reason = probe.available()
+    if not ok:
+        print(f"edgetrain: memory probe {probe.name!r} unavailable ({reason}); peak memory not reported",
+              file=sys.stderr)
+        return None
+    return probe
+
+
+class Learner:
+    def __init__(self, model: nn.Module, method: str = "bp", backend: str = "torch-cpu",
+                 optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
+                 optimizer_options: dict[str, Any] | None = None,
+                 method_options: dict[str, Any] | None = None,
+                 probe: Any = None, seed: int | None = 0) -> None:
+        self.backend = get_backend(backend)
+        if self.backend.framework != "torch":
+            raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; "
+                                 "this Learner drives torch models")
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.model = model.to(self.backend.device)
+        self.model.train()
+        self.method_name = method
+        self.method = METHODS.get(method)(self.model, **(method_options or {}))
+        self.params = trainable_parameters(self.model)
+        self.optimizer = make_optimizer(optimizer, list(self.params.values()), lr, **(optimizer_options or {}))
+        self.probe = _resolve_probe(probe, self.backend.default_probe)
+        self.steps_done = 0
+        self.stream_position = 0
+
+    # -- one batch -----------------------------------------------------------------------------
+    def _prepare(self, batch: Batch) -> Batch:
+        if not isinstance(batch, Batch):
+            raise EdgetrainError(f"expected an edgetrain Batch, got {type(batch).__name__}")
+        return batch.to(self.backend.device)
+
+    def step(self, batch: Batch) -> StepStats:
+        batch = self._prepare(batch)
+        baseline = None
+        if self.probe is not None:
+            self.probe.reset_peak()
+            baseline = self.probe.current_bytes()
+        self.backend.synchronize()
+        start = time.perf_counter()
+        loss = self.method.step(batch, self.optimizer)
+        self.backend.synchronize()
+        seconds = time.perf_counter() - start
+        peak = None if self.probe is None else max(0, self.probe.peak_bytes() - baseline)
+        loss_value = float(loss)
+        if not math.isfinite(loss_value):
+            raise TrainingError(f"non-finite loss {loss_value} at step {self.steps_done} (batch {batch.index})")
+        self.steps_done += 1
+        self.stream_position = batch.index + 1
+        return StepStats(step=self.steps_done, loss=loss_value, samples=batch.num_samples,
+                         tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
+                         probe=self.probe.name if self.probe else "none")
+
+    def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+        """Loss and gradient (or the method's estimate) per trainable parameter; weights unchanged."""
+        loss, grads = self.method.gradients(self._prepare(batch))
+        return float(loss), grads
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        """Mean loss over the batches (weighted by tokens or samples), perplexity for language
+        models, accuracy for classifiers."""
+        self.model.eval()
+        total_loss, total_weight, correct = 0.0, 0, 0
+        try:
+            for batch in batches:
+                batch = self._prepare(batch)
+                outputs = self.model(batch.inputs)
+                weight = batch.num_tokens
+                total_loss += float(task_loss(self.model, outputs, batch.targets)) * weight
+                total_weight += weight
+                if getattr(self.model, "task", "classify") == "classify":
+                    correct += int((outputs.argmax(-1) == batch.targets).sum())
+        finally:
+            self.model.train()
+        if total_weight == 0:
+            raise EdgetrainError("evaluate() got no batches")
+        metrics = {"loss": total_loss / total_weight}
+        if getattr(self.model, "task", "classify") == "lm":
+            metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
+        else:
+            metrics["accuracy"] = correct / total_weight
+        return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _checkpoint_payload(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors = {f"param/{name}": p.detach() for name, p in self.params.items()}
+        for name, buffer in self.model.named_buffers():
+            tensors[f"buffer/{name}"] = buffer.detach()
+        optimizer_tensors, optimizer_rest = flatten_optimizer_state(self.optimizer.state_dict())
+        tensors.update(optimizer_tensors)
+        tensors["rng/torch"] = torch.get_rng_state()
+        metadata = {"format": CHECKPOINT_FORMAT, "method": self.method_name,
+                    "state": json.dumps({"steps_done": self.steps_done,
+                                         "stream_position": self.stream_position,
+                                         "method": self.method.state_dict(),
+                                         "optimizer": optimizer_rest})}
+        return tensors, metadata
+
+    def save(self, path: str | Path) -> Path:
+        """Atomically write trainable weights, buffers, optimizer state, RNG, method seeds, counters.
+        Frozen base weights are not written: they come from the base model."""
+        tensors, metadata = self._checkpoint_payload()
+        return atomic_save_safetensors(tensors, path, metadata)
+
+    def load(self, path: str | Path) -> "Learner":
+        tensors, metadata = load_safetensors_checked(path)
+        self._restore(tensors, metadata, str(path))
+        return self
+
+    def save_rotating(self, directory: str | Path, keep: int = 2) -> Path:
+        tensors, metadata = self._checkpoint_payload()
+        return save_rotating(tensors, metadata, directory, self.steps_done, keep=keep)
+
+    def resume(self, directory: str | Path) -> Path | None:
+        """Load the newest good checkpoint in `directory` (None when there is none yet)."""
+        if not Path(directory).is_dir() or not any(Path(directory).glob("step-*.safetensors")):
+            return None
+        path, tensors, metadata = load_latest_good(directory, warn=lambda m: print(m, file=sys.stderr))
+        self._restore(tensors, metadata, str(path))
+        return path
+
+    def _restore(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> None:
+        if metadata.get("format") != CHECKPOINT_FORMAT:
+            raise EdgetrainError(f"{source} is not an edgetrain learner checkpoint")
+        if metadata.get("method") != self.method_name:
+            raise EdgetrainError(f"{source} was written by method {metadata.get('method')!r}, "
+                                 f"this learner runs {self.method_name!r}")
+        state = json.loads(metadata["state"])
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, param in self.params.items():
+                saved = tensors.get(f"param/{name}")
+                if saved is None or saved.shape != param.shape:
+                    raise EdgetrainError(f"{source}: parameter {name!r} is missing or has the wrong shape")
+                param.copy_(saved)
+            for name, buffer in buffers.items():
+                if f"buffer/{name}" in tensors:
+                    buffer.copy_(tensors[f"buffer/{name}"])
+        self.optimizer.load_state_dict(unflatten_optimizer_state(tensors, state["optimizer"]))
+        torch.set_rng_state(tensors["rng/torch"])
+        self.method.load_state_dict(state["method"])
+        self.steps_done = int(state["steps_done"])
+        self.stream_position = int(state["stream_position"])
+
+    # -- a stream ------------------------------------------------------------------------------
+    def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
+            eval_batches: Callable[[], Iterable[Batch]] | None = None, checkpoint_every: int = 0,
+            checkpoint_dir: str | Path | None = None, callbacks: Iterable[Callable] = (),
+            progress: bool = True, log_every: int = 10) -> list[StepStats]:
+        """Drive `stream` until `max_steps` steps are done in total (resumed steps count).
+
+        Every `checkpoint_every` steps the learner is written atomically to `checkpoint_dir`;
+        every `eval_every` steps `eval_batches()` is evaluated. Callbacks get (learner, stats)."""
+        if checkpoint_every and checkpoint_dir is None:
+            raise EdgetrainError("fit: checkpoint_every needs a checkpoint_dir")
+        if eval_every and eval_batches is None:
+            raise EdgetrainError("fit: eval_every needs eval_batches")
+        history: list[StepStats] = []
+        iterator: Iterator[Batch] = iter(stream)
+        while self.steps_done < max_steps:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            stats = self.step(batch)
+            history.append(stats)
+            for callback in callbacks:
+                callback(self, stats)
+            if progress and (stats.step % log_every == 0 or stats.step == max_steps):
+                print(format_progress(stats, max_steps), file=sys.stderr, flush=True)
+            if eval_every and stats.step % eval_every == 0:
+                metrics = self.evaluate(eval_batches())
+                if progress:
+                    print(f"  eval at step {stats.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
+                          file=sys.stderr, flush=True)
+            if checkpoint_every and stats.step % checkpoint_every == 0:
+                self.save_rotating(checkpoint_dir)
+        return history
+
+
+def format_progress(stats: StepStats, max_steps: int) -> str:
+    peak = "n/a" if stats.peak_bytes is None else f"{stats.peak_bytes / 2**20:.1f} MiB"
+    return (f"step {stats.step}/{max_steps}  loss {stats.loss:.4f}  "
+            f"{stats.tokens_per_second:,.0f} tok/s  peak {peak} ({stats.probe})")
+
+
+def stats_dict(stats: StepStats) -> dict[str, Any]:
+    return asdict(stats)

@@ -1,0 +1,30 @@
+"""Task losses, keyed by the model's `task` attribute."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from edgetrain.registry import Registry
+
+IGNORE_INDEX = -100
+
+TASK_LOSSES: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry("task")
+
+
+@TASK_LOSSES.register("lm")
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions with a target, computed in fp32.
+
+    `targets` is already aligned with `logits` (targets[:, t] is the token after input t)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+@TASK_LOSSES.register("classify")
+def classify_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets)
+
+
+def task_loss(model: torch.nn.Module, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return TASK_LOSSES.get(getattr(model, "task", "classify"))(outputs, targets)

@@ -1,0 +1,153 @@
+"""The streaming-learner interface with the baseline methods bp, mebp, mezo."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import edgetrain
+from edgetrain.data.batch import Batch
+from edgetrain.learner import TrainingError
+
+
+def _weights(learner):
+    return {name: p.detach().clone() for name, p in learner.params.items()}
+
+
+@pytest.mark.parametrize("method", ["bp", "mebp", "mezo"])
+def test_step_returns_stats(method, tiny_lora, text_batches):
+    learner = edgetrain.Learner(tiny_lora(), method=method, probe=False)
+    before = _weights(learner)
+    stats = learner.step(text_batches(1)[0])
+    assert stats.step == 1 and stats.samples == 2 and stats.tokens == 64
+    assert stats.seconds > 0 and 4.0 < stats.loss < 7.0
+    after = _weights(learner)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("method", ["bp", "mebp"])
+def test_loss_falls_on_real_text(method, tiny_lora, text_batches):
+    learner = edgetrain.Learner(tiny_lora(rank=8), method=method, optimizer="adamw", lr=3e-3, probe=False)
+    batches = text_batches(40, seq_len=64, batch_size=4)
+    held_out = text_batches(2, seq_len=64, batch_size=4, offset=200_000)
+    before = learner.evaluate(held_out)["loss"]
+    losses = [learner.step(b).loss for b in batches]
+    after = learner.evaluate(held_out)["loss"]
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.3
+    assert after < before - 0.3
+
+
+def test_mebp_gradients_equal_bp(tiny_lora, text_batches):
+    batch = text_batches(1)[0]
+    _, bp = edgetrain.Learner(tiny_lora(), method="bp", probe=False).compute_gradients(batch)
+    _, mebp = edgetrain.Learner(tiny_lora(), method="mebp", probe=False).compute_gradients(batch)
+    assert bp.keys() == mebp.keys()
+    for name in bp:
+        assert bp[name].abs().max() > 0
+        torch.testing.assert_close(mebp[name], bp[name], atol=1e-6, rtol=1e-5)
+
+
+def test_compute_gradients_leaves_weights_alone(tiny_lora, text_batches):
+    learner = edgetrain.Learner(tiny_lora(), method="mezo", probe=False)
+    before = _weights(learner)
+    learner.compute_gradients(text_batches(1)[0])
+    assert all(torch.equal(before[k], v) for k, v in _weights(learner).items())
+
+
+def test_mezo_estimate_is_unbiased(tiny_lora, text_batches):
+    """The mean of many SPSA estimates points along the true gradient (fixed seeds: deterministic)."""
+    batch = text_batches(1)[0]
+    model = tiny_lora(rank=1, targets=("q",))
+    _, exact = edgetrain.Learner(model, method="bp", probe=False).compute_gradients(batch)
+    from edgetrain.methods.mezo import ZerothOrder
+
+    mezo = ZerothOrder(model, epsilon=1e-3, seed=7)
+    total = {k: torch.zeros_like(v) for k, v in exact.items()}
+    for i in range(600):
+        mezo.steps_taken = i
+        _, estimate = mezo.gradients(batch)
+        for k in total:
+            total[k] += estimate[k]
+    flat_mean = torch.cat([total[k].flatten() for k in exact])
+    flat_exact = torch.cat([exact[k].flatten() for k in exact])
+    cosine = torch.nn.functional.cosine_similarity(flat_mean, flat_exact, dim=0)
+    single = torch.nn.functional.cosine_similarity(
+        torch.cat([estimate[k].flatten() for k in exact]), flat_exact, dim=0)
+    assert cosine > 0.6 > abs(single)
+
+
+def test_save_load_resumes_exactly(tmp_path, tiny_lora, text_batches):
+    batches = text_batches(6)
+    learner = edgetrain.Learner(tiny_lora(), method="mezo", optimizer="sgd", lr=1e-4, probe=False, seed=3)
+    for b in batches[:3]:
+        learner.step(b)
+    learner.save(tmp_path / "ckpt.safetensors")
+    for b in batches[3:]:
+        learner.step(b)
+    straight = _weights(learner)
+
+    resumed = edgetrain.Learner(tiny_lora(), method="mezo", optimizer="sgd", lr=1e-4, probe=False, seed=99)
+    resumed.load(tmp_path / "ckpt.safetensors")
+    assert resumed.steps_done == 3 and resumed.stream_position == 3
+    for b in batches[resumed.stream_position:]:
+        resumed.step(b)
+    assert all(torch.equal(straight[k], v) for k, v in _weights(resumed).items())
+
+
+def test_adam_state_survives_checkpoint(tmp_path, tiny_lora, text_batches):
+    batches = text_batches(4)
+    first = edgetrain.Learner(tiny_lora(), method="bp", optimizer="adamw", lr=1e-3, probe=False)
+    for b in batches[:2]:
+        first.step(b)
+    first.save(tmp_path / "a.safetensors")
+    for b in batches[2:]:
+        first.step(b)
+    second = edgetrain.Learner(tiny_lora(), method="bp", optimizer="adamw", lr=1e-3, probe=False)
+    second.load(tmp_path / "a.safetensors")
+    for b in batches[2:]:
+        second.step(b)
+    assert all(torch.equal(_weights(first)[k], v) for k, v in _weights(second).items())
+
+
+def test_fit_checkpoints_and_resume_skips_damaged(tmp_path, tiny_lora, text_batches, capsys):
+    batches = text_batches(6)
+    learner = edgetrain.Learner(tiny_lora(), method="bp", probe=False)
+    learner.fit(batches, max_steps=6, checkpoint_every=2, checkpoint_dir=tmp_path, progress=False)
+    kept = sorted(p.name for p in tmp_path.glob("step-*.safetensors"))
+    assert kept == ["step-00000004.safetensors", "step-00000006.safetensors"]
+    newest = tmp_path / kept[-1]
+    newest.write_bytes(newest.read_bytes()[:-10])  # torn by a crash of the storage layer
+    fresh = edgetrain.Learner(tiny_lora(), method="bp", probe=False)
+    assert fresh.resume(tmp_path).name == kept[0]
+    assert fresh.steps_done == 4
+    assert "step-00000006" in capsys.readouterr().err
+
+
+def test_evaluate_lm_metrics(tiny_lora, text_batches):
+    metrics = edgetrain.Learner(tiny_lora(), probe=False).evaluate(text_batches(2))
+    assert set(metrics) == {"loss", "perplexity"}
+    assert metrics["perplexity"] == pytest.approx(torch.tensor(metrics["loss"]).exp().item(), rel=1e-6)
+
+
+def test_unknown_names_list_the_known_ones(tiny_lora):
+    with pytest.raises(edgetrain.EdgetrainError, match="unknown method 'sgdx'.*bp, mebp"):
+        edgetrain.Learner(tiny_lora(), method="sgdx")
+    with pytest.raises(edgetrain.EdgetrainError, match="unknown backend 'tpu'.*torch-cpu"):
+        edgetrain.Learner(tiny_lora(), backend="tpu")
+    with pytest.raises(edgetrain.EdgetrainError, match="unknown optimizer 'lion'.*adamw"):
+        edgetrain.Learner(tiny_lora(), optimizer="lion", probe=False)
+
+
+def test_frozen_model_is_refused():
+    model = edgetrain.load_model("tiny")
+    model.requires_grad_(False)
+    with pytest.raises(edgetrain.EdgetrainError, match="no trainable parameters"):
+        edgetrain.Learner(model, probe=False)
+
+
+def test_non_finite_loss_is_reported(tiny_lora, text_batches):
+    model = tiny_lora()
+    with torch.no_grad():
+        model.blocks[0].self_attn.q_proj.lora_B.fill_(float("nan"))
+    learner = edgetrain.Learner(model, method="bp", probe=False)
+    with pytest.raises(TrainingError, match="non-finite loss"):
+        learner.step(text_batches(1)[0])
