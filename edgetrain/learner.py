@@ -54,13 +54,14 @@ class StepStats:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
-def _resolve_probe(probe: Any, backend_probe: str):
-    if probe is False or probe is None and backend_probe is None:
+def _resolve_probe(probe: Any, backend: str):
+    """None/False/a probe name/a probe object -> a working probe or None (with a message saying why)."""
+    if probe is False:
         return None
-    from edgetrain.probes import PROBES
+    from edgetrain.probes import PROBES, default_probe_name
 
     if probe is None or isinstance(probe, str):
-        probe = PROBES.get(probe or backend_probe)()
+        probe = PROBES.get(probe or default_probe_name(backend))()
     ok, reason = probe.available()
     if not ok:
         print(f"edgetrain: memory probe {probe.name!r} unavailable ({reason}); peak memory not reported",
@@ -87,7 +88,7 @@ class Learner:
         self.method = METHODS.get(method)(self.model, **(method_options or {}))
         self.params = trainable_parameters(self.model)
         self.optimizer = make_optimizer(optimizer, list(self.params.values()), lr, **(optimizer_options or {}))
-        self.probe = _resolve_probe(probe, self.backend.default_probe)
+        self.probe = _resolve_probe(probe, self.backend.name)
         self.steps_done = 0
         self.stream_position = 0
 

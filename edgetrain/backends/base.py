@@ -1,4 +1,5 @@
-"""Backend adapters: where tensors live, how to wait for the device, which probe reads its memory.
+"""Backend adapters: where tensors live and how to wait for the device (edgetrain.probes picks the
+probe that reads its memory).
 
 Kept deliberately small (what a method needs stays in that method)."""
 from __future__ import annotations
@@ -14,7 +15,6 @@ class Backend:
     name: str
     framework: str                      # "torch" or "mlx": which model classes it runs
     device: str                         # framework device string
-    default_probe: str                  # name in edgetrain.probes.PROBES
     synchronize: Callable[[], None]     # wait for queued device work (timing must not stop early)
     availability: Callable[[], tuple[bool, str]]
 

@@ -20,5 +20,5 @@ def _synchronize() -> None:
 
 
 BACKENDS.add("torch-cuda", Backend(name="torch-cuda", framework="torch", device="cuda",
-                                   default_probe="cuda", synchronize=_synchronize,
+                                   synchronize=_synchronize,
                                    availability=_availability))

@@ -1,0 +1,37 @@
+"""`edgetrain` command line: each subcommand module owns build_parser() and main(args)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module under edgetrain.cli (imported only when used: keeps --help fast)
+SUBCOMMANDS = {"profile": "profile"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="edgetrain", description="On-device training and profiling.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(f"edgetrain.cli.{module_name}")
+        module.build_parser(commands.add_parser(name, help=module.__doc__.splitlines()[0],
+                                                description=module.__doc__))
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from edgetrain.registry import EdgetrainError
+
+    try:
+        return importlib.import_module(f"edgetrain.cli.{SUBCOMMANDS[args.command]}").main(args)
+    except EdgetrainError as exc:
+        print(f"edgetrain {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"edgetrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from edgetrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""Measure what a training step costs in memory and time, method by method.
+
+Each method runs in a fresh subprocess after a warm-up step. Memory is the peak above the pre-step
+baseline (the model's weights are excluded), read by the OS/allocator probe of the backend and by
+tensor accounting; gradient fidelity compares each method's gradient with exact autograd on the same
+batch and weights.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_METHODS = "bp,mebp,mezo,mesp"
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated methods, first is the ratio reference (default: {DEFAULT_METHODS}, "
+                             "those registered)")
+    parser.add_argument("--backend", default="torch-cpu", help="torch-cpu, torch-cuda or mlx")
+    parser.add_argument("--seq", type=int, default=256, help="sequence length (language models)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (language models)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
+    parser.add_argument("--no-fidelity", action="store_true", help="skip the gradient comparison with autograd")
+    parser.add_argument("--target", default=None, help="device profile from targets/ (budget warning)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write one JSON record per method")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG bar chart")
+    return parser
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    from edgetrain.registry import EdgetrainError
+
+    if value is not None and value <= 0:
+        raise EdgetrainError(f"--{name} must be positive, got {value}")
+
+
+def main(args: argparse.Namespace) -> int:
+    from edgetrain.methods import METHODS
+    from edgetrain.models import parse_dtype
+    from edgetrain.profiler.config import ProfileConfig
+    from edgetrain.profiler.report import format_table, write_json, write_plot
+    from edgetrain.profiler.runner import run_isolated
+
+    for name in ("seq", "batch", "rank", "steps", "layers"):
+        _check_positive(name, getattr(args, name))
+    parse_dtype(args.dtype)
+    if args.methods is None:
+        methods = [m for m in DEFAULT_METHODS.split(",") if m in METHODS]
+    else:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        for method in methods:
+            METHODS.get(method)  # unknown names fail here, listing the known ones
+    target = None
+    if args.target:
+        from edgetrain.targets import load_target
+
+        target = load_target(args.target)
+    records = []
+    for index, method in enumerate(methods, start=1):
+        print(f"edgetrain profile: [{index}/{len(methods)}] {method} on {args.model}", file=sys.stderr, flush=True)
+        config = ProfileConfig(model=args.model, method=method, backend=args.backend, seq=args.seq,
+                               batch=args.batch, rank=args.rank, steps=args.steps, dtype=args.dtype,
+                               layers=args.layers, fidelity=not args.no_fidelity)
+        records.append(run_isolated(config, on_progress=lambda line: print("    " + line, file=sys.stderr,
+                                                                               flush=True)))
+    print(format_table(records))
+    if target is not None:
+        for line in target.budget_warnings(records):
+            print(line)
+    if args.json:
+        print(f"wrote {write_json(records, args.json)}", file=sys.stderr)
+    if args.plot:
+        print(f"wrote {write_plot(records, args.plot)}", file=sys.stderr)
+    return 0

@@ -1,0 +1,28 @@
+"""What one profiled run is: a model, a method, a backend and the step's shape."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# The fields every JSON record carries (the documented schema of `edgetrain profile --json`).
+RECORD_FIELDS = ("method", "backend", "model", "seq", "batch", "rank", "peak_bytes_probe",
+                 "peak_bytes_tensors", "step_seconds", "loss", "grad_cosine", "grad_max_rel_err")
+
+
+@dataclass
+class ProfileConfig:
+    model: str = "tiny"
+    method: str = "bp"
+    backend: str = "torch-cpu"
+    seq: int = 256
+    batch: int = 1
+    rank: int = 8
+    steps: int = 3
+    dtype: str = "float32"
+    seed: int = 0
+    fidelity: bool = True     # compare the method's gradient with exact autograd on the same batch
+    layers: int | None = None  # keep only the first N blocks (shape studies of big presets)
+    method_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

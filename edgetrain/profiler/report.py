@@ -1,0 +1,100 @@
+"""Turn profile records into what people read: a table with ratios, JSON records, a PNG chart."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from edgetrain.checkpoint import atomic_write_bytes
+from edgetrain.profiler.config import RECORD_FIELDS
+from edgetrain.registry import EdgetrainError
+
+MIB = 2**20
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    if value is None or not reference:
+        return "-"
+    return f"{value / reference:.2f}x"
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    """Methods as rows; memory and time also as ratios to the first method listed."""
+    if not records:
+        return "(no results)"
+    first = records[0]
+    head = (f"model {first['model']} ({first.get('layers', '?')} blocks, LoRA r{first['rank']}, "
+            f"{first.get('trainable_params', 0):,} trainable), seq {first['seq']}, batch {first['batch']}, "
+            f"{first.get('dtype', '')}, {first['backend']}, {first.get('torch_threads', '?')} threads\n"
+            f"peak = training memory above the pre-step baseline (weights excluded); "
+            f"probe: {first.get('probe', '-')} (OS/allocator), tensors: live tensor storages; "
+            f"ratios are to {first['method']}")
+    columns = ["method", "probe MiB", "ratio", "tensors MiB", "ratio", "s/step", "ratio", "loss",
+               "grad cos", "max rel err", "peak in"]
+    rows = [columns]
+    for record in records:
+        rows.append([
+            record["method"],
+            _mib(record["peak_bytes_probe"]), _ratio(record["peak_bytes_probe"], first["peak_bytes_probe"]),
+            _mib(record["peak_bytes_tensors"]), _ratio(record["peak_bytes_tensors"], first["peak_bytes_tensors"]),
+            _num(record["step_seconds"], ".3f"), _ratio(record["step_seconds"], first["step_seconds"]),
+            _num(record["loss"], ".4f"), _num(record["grad_cosine"], ".4f"),
+            _num(record["grad_max_rel_err"], ".1e"), str(record.get("peak_region") or "-"),
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = ["  ".join(cell.ljust(w) if i in (0, 10) else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return head + "\n" + "\n".join(lines)
+
+
+def write_json(records: list[dict[str, Any]], path: str | Path) -> Path:
+    for record in records:
+        missing = [f for f in RECORD_FIELDS if f not in record]
+        if missing:
+            raise EdgetrainError(f"profile record for {record.get('method')!r} lacks {missing}")
+    return atomic_write_bytes(json.dumps(records, indent=2).encode(), path)
+
+
+def write_plot(records: list[dict[str, Any]], path: str | Path) -> Path:
+    """Bar chart: peak memory (probe and tensor accounting) and seconds per step, side by side."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EdgetrainError("--plot needs matplotlib: pip install 'edgetrain[dev]' or pip install matplotlib") from None
+    methods = [r["method"] for r in records]
+    figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    positions = range(len(methods))
+    width = 0.4
+    probe_mib = [(r["peak_bytes_probe"] or 0) / MIB for r in records]
+    tensor_mib = [(r["peak_bytes_tensors"] or 0) / MIB for r in records]
+    memory_axis.bar([p - width / 2 for p in positions], probe_mib, width, label=f"probe ({records[0].get('probe')})")
+    memory_axis.bar([p + width / 2 for p in positions], tensor_mib, width, label="tensor accounting")
+    memory_axis.set_xticks(list(positions), methods)
+    memory_axis.set_ylabel("peak above baseline (MiB)")
+    memory_axis.set_title("training memory per step")
+    memory_axis.legend()
+    time_axis.bar(list(positions), [r["step_seconds"] for r in records], color="tab:green")
+    time_axis.set_xticks(list(positions), methods)
+    time_axis.set_ylabel("seconds per step")
+    time_axis.set_title("step time")
+    first = records[0]
+    figure.suptitle(f"{first['model']}  seq {first['seq']}  batch {first['batch']}  rank {first['rank']}  "
+                    f"{first['backend']}")
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,158 @@
+"""Profile one (method, config) in this process. Run as `python -m edgetrain.profiler.worker JSON`
+by the runner, one fresh process per method so one method's cached memory cannot pollute another's.
+
+Order matters: gradient fidelity first (on the untouched weights, so every method sees the same
+weights and batch and reports the same loss), then a warm-up step, then timed steps read by the
+OS/allocator probe, then one step under tensor accounting (it slows ops, so it is never timed).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import traceback
+from typing import Any
+
+RESULT_MARKER = "EDGETRAIN_RESULT "
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_model(config):
+    import torch
+
+    import edgetrain
+
+    torch.manual_seed(config.seed)
+    model = edgetrain.load_model(config.model, backend=config.backend, dtype=config.dtype)
+    if config.layers is not None:
+        if not 0 < config.layers <= len(model.blocks):
+            raise edgetrain.EdgetrainError(f"--layers {config.layers}: the model has {len(model.blocks)} blocks")
+        del model.blocks[config.layers:]
+    if getattr(model, "task", None) == "lm":
+        edgetrain.add_lora(model, rank=config.rank)
+        # A fresh LoRA B is zero, which would make every A gradient zero and fidelity meaningless.
+        generator = torch.Generator().manual_seed(config.seed + 1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("lora_B"):
+                    param.copy_(torch.randn(param.shape, generator=generator).to(param.dtype) * 0.01)
+    return model
+
+
+def build_batch(model, config):
+    """A fixed batch of the shape asked for: real English text for language models, the model's
+    own example input for classifiers."""
+    import torch
+
+    from edgetrain.data.batch import Batch
+
+    if getattr(model, "task", None) == "lm":
+        from pydoc_data.topics import topics
+
+        text = "".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        needed = config.batch * (config.seq + 1)
+        ids = torch.tensor(list((text * (needed // len(text) + 1))[:needed]), dtype=torch.long)
+        ids = ids.remainder(model.config.vocab_size).view(config.batch, config.seq + 1)
+        return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), 0)
+    if not hasattr(model, "example_input"):
+        from edgetrain.registry import EdgetrainError
+
+        raise EdgetrainError(f"model {config.model!r} has no example_input(); cannot build a profiling batch")
+    generator = torch.Generator().manual_seed(config.seed)
+    inputs = model.example_input(config.batch, generator=generator)
+    classes = model.num_classes
+    return Batch(inputs, torch.randint(0, classes, (config.batch,), generator=generator), 0)
+
+
+def gradient_fidelity(model, method: str, batch, options: dict[str, Any]) -> dict[str, float]:
+    """Loss, and cosine / max relative error of the method's gradient against exact autograd."""
+    import torch
+
+    from edgetrain.methods import METHODS
+
+    reference_loss, reference = METHODS.get("bp")(model).gradients(batch)
+    loss, estimate = METHODS.get(method)(model, **options).gradients(batch)
+    flat_ref = torch.cat([reference[k].flatten().double() for k in reference])
+    flat_est = torch.cat([estimate[k].flatten().double() for k in reference])
+    cosine = float(torch.nn.functional.cosine_similarity(flat_est, flat_ref, dim=0))
+    max_rel = max(float((estimate[k].double() - reference[k].double()).abs().max()
+                        / reference[k].double().abs().max().clamp_min(1e-30)) for k in reference)
+    return {"loss": float(loss), "reference_loss": float(reference_loss), "grad_cosine": cosine,
+            "grad_max_rel_err": max_rel}
+
+
+def profile_method(config) -> dict[str, Any]:
+    import torch
+
+    import edgetrain
+    from edgetrain.probes import TensorAccountant, default_probe_name, measuring
+
+    _progress(f"[{config.method}] building {config.model} ({config.dtype})")
+    model = build_model(config)
+    batch = build_batch(model, config)
+    record: dict[str, Any] = {"method": config.method, "backend": config.backend, "model": config.model,
+                              "seq": config.seq, "batch": config.batch, "rank": config.rank,
+                              "dtype": config.dtype, "layers": len(model.blocks)}
+    if config.fidelity:
+        _progress(f"[{config.method}] gradient fidelity against autograd")
+        record.update(gradient_fidelity(model, config.method, batch, config.method_options))
+    else:
+        record.update({"loss": None, "grad_cosine": None, "grad_max_rel_err": None})
+
+    probe_name = default_probe_name(config.backend)
+    learner = edgetrain.Learner(model, method=config.method, backend=config.backend, optimizer="sgd",
+                                lr=1e-5, method_options=config.method_options, probe=probe_name,
+                                seed=config.seed)
+    _progress(f"[{config.method}] warm-up step")
+    first = learner.step(batch)
+    if record["loss"] is None:
+        record["loss"] = first.loss
+    seconds, peaks = [], []
+    for index in range(config.steps):
+        _progress(f"[{config.method}] step {index + 1}/{config.steps}")
+        stats = learner.step(batch)
+        seconds.append(stats.seconds)
+        peaks.append(stats.peak_bytes)
+    record["probe"] = stats.probe
+    record["step_seconds"] = statistics.median(seconds)
+    record["peak_bytes_probe"] = None if any(p is None for p in peaks) else max(peaks)
+
+    _progress(f"[{config.method}] tensor accounting step")
+    accountant = TensorAccountant(model=model)
+    accountant.register(learner.optimizer, batch.inputs, batch.targets)
+    with measuring(accountant) as measured:
+        learner.step(batch)
+    record["peak_bytes_tensors"] = measured.peak_above_baseline_bytes
+    record["peak_region"] = accountant.report().peak_label
+    record["trainable_params"] = sum(p.numel() for p in learner.params.values())
+    record["weights_bytes"] = sum(t.numel() * t.element_size()
+                                  for t in list(model.parameters()) + list(model.buffers()))
+    record["torch_threads"] = torch.get_num_threads()
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edgetrain.profiler.config import ProfileConfig
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config = ProfileConfig(**json.loads(argv[0]))
+        from edgetrain.probes.linux import fix_malloc_mmap_threshold
+
+        fix_malloc_mmap_threshold()
+        record = profile_method(config)
+    except Exception as exc:  # reported to the parent, which prints it with the method's name
+        from edgetrain.registry import EdgetrainError
+
+        detail = str(exc) if isinstance(exc, EdgetrainError) else traceback.format_exc()
+        print(RESULT_MARKER + json.dumps({"error": f"{type(exc).__name__}: {detail}"}), flush=True)
+        return 1
+    print(RESULT_MARKER + json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""`edgetrain profile`: records, JSON schema, table, target warnings, errors, Ctrl-C cleanliness."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from edgetrain.cli import main as cli_main
+from edgetrain.profiler.config import RECORD_FIELDS
+from edgetrain.profiler.report import format_table
+
+
+@pytest.fixture(scope="module")
+def bp_mebp_records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    json_path, plot_path = out / "records.json", out / "chart.png"
+    code = cli_main(["profile", "--methods", "bp,mebp", "--seq", "256", "--steps", "1",
+                     "--json", str(json_path), "--plot", str(plot_path)])
+    assert code == 0
+    return json.loads(json_path.read_text()), plot_path
+
+
+def test_json_schema(bp_mebp_records):
+    records, _ = bp_mebp_records
+    assert [r["method"] for r in records] == ["bp", "mebp"]
+    for record in records:
+        assert set(RECORD_FIELDS) <= set(record)
+        assert record["model"] == "tiny" and record["seq"] == 256 and record["batch"] == 1
+        assert record["rank"] == 8 and record["backend"] == "torch-cpu"
+        for key in ("peak_bytes_probe", "peak_bytes_tensors"):
+            assert isinstance(record[key], int) and record[key] > 0
+        assert record["step_seconds"] > 0
+        assert record["grad_cosine"] == pytest.approx(1.0, abs=1e-6)
+        assert record["grad_max_rel_err"] < 1e-5
+    # Same weights and batch for every method, so the same loss.
+    assert records[0]["loss"] == pytest.approx(records[1]["loss"], rel=1e-6)
+
+
+def test_mebp_keeps_less_than_bp(bp_mebp_records):
+    bp, mebp = bp_mebp_records[0]
+    assert mebp["peak_bytes_tensors"] < 0.6 * bp["peak_bytes_tensors"]
+    assert mebp["peak_bytes_probe"] < bp["peak_bytes_probe"]
+
+
+def test_plot_is_a_png(bp_mebp_records):
+    _, plot_path = bp_mebp_records
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_path.stat().st_size > 5000
+
+
+def test_table_has_ratios_to_first_method(bp_mebp_records):
+    records, _ = bp_mebp_records
+    table = format_table(records)
+    ratio = records[1]["peak_bytes_tensors"] / records[0]["peak_bytes_tensors"]
+    assert f"{ratio:.2f}x" in table
+    assert "weights excluded" in table and "ratios are to bp" in table
+
+
+def test_target_budget_warning(bp_mebp_records, tmp_path, monkeypatch):
+    from edgetrain.targets import load_target
+
+    (tmp_path / "watch.toml").write_text(
+        'description = "tiny budget"\nbackend = "torch-cpu"\nprobe = "linux"\ndtype = "float32"\n'
+        "memory_budget_mib = 3\n")
+    monkeypatch.setenv("EDGETRAIN_TARGETS_DIR", str(tmp_path))
+    records, _ = bp_mebp_records
+    warnings = load_target("watch").budget_warnings(records)
+    assert len(warnings) == 2 and "over the watch budget of 3 MiB" in warnings[0]
+
+
+def test_shipped_targets_load():
+    from edgetrain.targets import available_targets, load_target
+
+    names = available_targets()
+    assert {"cpu", "agx-orin-32gb", "agx-orin-64gb", "mac-m-series-16gb", "iphone-15-pro"} <= set(names)
+    for name in names:
+        assert load_target(name).memory_budget_bytes > 0
+
+
+def test_unknown_method_and_target_are_clear_errors(capsys):
+    assert cli_main(["profile", "--methods", "bp,sgdx"]) == 2
+    assert "unknown method 'sgdx'" in capsys.readouterr().err
+    assert cli_main(["profile", "--target", "toaster"]) == 2
+    assert "unknown target 'toaster'; known targets:" in capsys.readouterr().err
+    assert cli_main(["profile", "--seq", "0"]) == 2
+    assert "--seq must be positive" in capsys.readouterr().err
+
+
+def test_failing_method_reports_the_child_error(capsys):
+    assert cli_main(["profile", "--methods", "bp", "--model", "/nonexistent/ckpt"]) == 2
+    err = capsys.readouterr().err
+    assert "method 'bp' failed" in err and "/nonexistent/ckpt" in err
+
+
+def _profiler_children(parent_pid: int) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "edgetrain.profiler.worker" in cmdline and proc.pid != parent_pid:
+            found.append(proc)
+    return found
+
+
+def test_ctrl_c_leaves_no_orphan():
+    before = {p.pid for p in _profiler_children(os.getpid())}
+    parent = subprocess.Popen([sys.executable, "-m", "edgetrain.cli", "profile", "--methods", "bp,mebp",
+                               "--seq", "512", "--steps", "50"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if [p for p in _profiler_children(parent.pid) if p.pid not in before]:
+            break
+        assert parent.poll() is None, parent.communicate()
+        time.sleep(0.2)
+    else:
+        parent.kill()
+        pytest.fail("profiler never started a worker")
+    time.sleep(1.0)
+    parent.send_signal(signal.SIGINT)
+    _, err = parent.communicate(timeout=30)
+    assert parent.returncode == 130, err
+    assert "interrupted" in err
+    time.sleep(0.5)
+    assert [p for p in _profiler_children(parent.pid) if p.pid not in before and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE] == []
