@@ -1,0 +1,144 @@
+"""Linux: what the kernel charges a process -- resident set size and its high-water mark.
+
+Peak: `VmHWM` in /proc/<pid>/status, restarted by writing "5" to /proc/<pid>/clear_refs (Linux >= 4.0).
+Current: `Rss` in /proc/<pid>/smaps_rollup (an exact page-table walk, Linux >= 4.14), else `VmRSS`.
+
+glibc caveat. With the default *dynamic* mmap threshold, freeing a large mmap'd block raises the
+threshold to that block's size (up to 32 MiB), so later blocks of that size come from the heap and
+stay resident after free. A step's peak above its baseline then depends on what the previous steps
+left cached, and jumps between ~0 and the real figure. `fix_malloc_mmap_threshold()` (this process;
+call it before torch allocates much) or `malloc_threshold_env()` (a child process) pin the threshold,
+after which every block of 64 KiB or more is returned to the kernel on free and identical steps
+report identical peaks.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+from edgetrain.probes.base import PROBES, ProbeUnavailableError
+
+# glibc <malloc.h>: mallopt parameter number of M_MMAP_THRESHOLD.
+M_MMAP_THRESHOLD = -3
+# Big enough that small-object churn stays on the heap, small enough that every tensor worth
+# counting is its own mapping.
+STABLE_MMAP_THRESHOLD_BYTES = 65536
+# glibc refuses thresholds above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit).
+_MAX_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+
+
+def glibc_version() -> str | None:
+    """The glibc version ("2.36"), or None under another C library (musl, macOS)."""
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"
+    except (ValueError, OSError, AttributeError):
+        return None
+    if not libc or not libc.startswith("glibc"):
+        return None
+    return libc.split()[-1]
+
+
+def fix_malloc_mmap_threshold(threshold_bytes: int = STABLE_MMAP_THRESHOLD_BYTES) -> tuple[bool, str]:
+    """Pin glibc's mmap threshold in this process (mallopt(M_MMAP_THRESHOLD, n)); (ok, why not).
+
+    Pinning also turns off glibc's dynamic threshold adjustment, which is the point. It affects
+    allocations made after the call, so make it before the model and data are built.
+    """
+    if not 0 < threshold_bytes <= _MAX_MMAP_THRESHOLD_BYTES:
+        return False, f"threshold {threshold_bytes} is outside glibc's range 1..{_MAX_MMAP_THRESHOLD_BYTES}"
+    if glibc_version() is None:
+        return False, "mallopt(M_MMAP_THRESHOLD) needs glibc; this C library is not glibc"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError) as exc:
+        return False, f"cannot find mallopt in the C library: {exc}"
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if mallopt(M_MMAP_THRESHOLD, threshold_bytes) != 1:
+        return False, f"mallopt(M_MMAP_THRESHOLD, {threshold_bytes}) was refused"
+    return True, ""
+
+
+def malloc_threshold_env(threshold_bytes: int = STABLE_MMAP_THRESHOLD_BYTES) -> dict[str, str]:
+    """Environment entries that pin the threshold in a child process from its first allocation
+    (merge into the child's env: `{**os.environ, **malloc_threshold_env()}`)."""
+    if not 0 < threshold_bytes <= _MAX_MMAP_THRESHOLD_BYTES:
+        raise ValueError(f"threshold {threshold_bytes} is outside glibc's range 1..{_MAX_MMAP_THRESHOLD_BYTES}")
+    return {"MALLOC_MMAP_THRESHOLD_": str(threshold_bytes)}
+
+
+def _read_kb_field(path: Path, field: str) -> int | None:
+    """Bytes of a `Field:   123 kB` line, or None when the file has no such line."""
+    prefix = field + ":"
+    with open(path) as f:
+        for line in f:
+            if line.startswith(prefix):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+@PROBES.register("linux")
+class LinuxProbe:
+    """Resident memory of one process (this one by default) as the Linux kernel counts it.
+
+    The peak is the kernel's high-water mark, so it misses nothing between readings. It comes
+    from the mm's RSS counters, which may lag the exact page count by a per-CPU batch (well under
+    1 MiB on a few cores); peak_bytes() therefore never reports less than the exact current RSS.
+    """
+
+    name = "linux"
+
+    def __init__(self, pid: int | None = None, *, proc_dir: str | Path | None = None) -> None:
+        # proc_dir lets tests point the probe at a directory that lacks the kernel files.
+        if proc_dir is not None:
+            self.proc_dir = Path(proc_dir)
+        else:
+            self.proc_dir = Path("/proc") / ("self" if pid is None else str(pid))
+
+    def available(self) -> tuple[bool, str]:
+        if not sys.platform.startswith("linux"):
+            return False, f"requires Linux /proc (this is {sys.platform})"
+        status = self.proc_dir / "status"
+        try:
+            hwm = _read_kb_field(status, "VmHWM")
+        except OSError as exc:
+            return False, f"cannot read {status}: {exc.strerror or exc}"
+        if hwm is None:
+            return False, f"{status} has no VmHWM line (a kernel thread, or not a real /proc)"
+        clear_refs = self.proc_dir / "clear_refs"
+        if not clear_refs.exists():
+            return False, f"{clear_refs} does not exist, so the high-water mark cannot be reset"
+        if not os.access(clear_refs, os.W_OK):
+            return False, f"{clear_refs} is not writable by this user, so the high-water mark cannot be reset"
+        return True, ""
+
+    def reset_peak(self) -> None:
+        clear_refs = self.proc_dir / "clear_refs"
+        try:
+            with open(clear_refs, "w") as f:
+                f.write("5")  # 5 = reset the peak RSS (Documentation/filesystems/proc.rst)
+        except OSError as exc:
+            raise ProbeUnavailableError(f"cannot reset VmHWM through {clear_refs}: {exc}") from exc
+
+    def peak_bytes(self) -> int:
+        hwm = self._field("status", "VmHWM")
+        return max(hwm, self.current_bytes())
+
+    def current_bytes(self) -> int:
+        try:
+            rss = _read_kb_field(self.proc_dir / "smaps_rollup", "Rss")
+        except OSError:  # before Linux 4.14, or not readable: the counter-based figure
+            rss = None
+        return rss if rss is not None else self._field("status", "VmRSS")
+
+    def _field(self, file: str, field: str) -> int:
+        path = self.proc_dir / file
+        try:
+            value = _read_kb_field(path, field)
+        except OSError as exc:
+            raise ProbeUnavailableError(f"cannot read {path}: {exc}") from exc
+        if value is None:
+            raise ProbeUnavailableError(f"{path} has no {field} line")
+        return value
