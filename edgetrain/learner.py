@@ -28,15 +28,39 @@ from edgetrain.checkpoint import (atomic_save_safetensors, flatten_optimizer_sta
                                   load_safetensors_checked, save_rotating, unflatten_optimizer_state)
 from edgetrain.data.batch import Batch
 from edgetrain.losses import task_loss
-from edgetrain.methods.base import METHODS, trainable_parameters
+from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
 from edgetrain.registry import EdgetrainError
 
 CHECKPOINT_FORMAT = "edgetrain-learner-1"
+__all__ = ["Learner", "MemoryBudgetError", "StepStats", "TrainingError", "parse_bytes"]
 
 
-class TrainingError(EdgetrainError, RuntimeError):
-    """A step that could not be taken (non-finite loss, memory budget exceeded, ...)."""
+class MemoryBudgetError(TrainingError):
+    """The measured first step does not fit the memory budget."""
+
+
+# Lower-memory methods to fall back to, best first (exact gradients before estimates).
+FALLBACK_ORDER = ("mebp", "mesp", "mezo")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """512 * 2**20, "512MiB", "1.5 GB" -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise EdgetrainError(f"memory budget must be positive, got {value}")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):] or "b"
+    try:
+        amount = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise EdgetrainError(f"cannot read memory size {value!r}; use bytes or e.g. '512MiB', '2GB'") from None
+    if amount <= 0:
+        raise EdgetrainError(f"memory budget must be positive, got {value!r}")
+    return int(amount)
 
 
 @dataclass
@@ -75,7 +99,8 @@ class Learner:
                  optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
                  optimizer_options: dict[str, Any] | None = None,
                  method_options: dict[str, Any] | None = None,
-                 probe: Any = None, seed: int | None = 0) -> None:
+                 probe: Any = None, seed: int | None = 0, memory_budget: int | str | None = None,
+                 fallback_methods: Iterable[str] = (), target: str | None = None) -> None:
         self.backend = get_backend(backend)
         if self.backend.framework != "torch":
             raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; "
@@ -85,12 +110,26 @@ class Learner:
         self.model = model.to(self.backend.device)
         self.model.train()
         self.method_name = method
-        self.method = METHODS.get(method)(self.model, **(method_options or {}))
+        self.method_options = dict(method_options or {})
+        self.method = METHODS.get(method)(self.model, **self.method_options)
         self.params = trainable_parameters(self.model)
         self.optimizer = make_optimizer(optimizer, list(self.params.values()), lr, **(optimizer_options or {}))
+        # Checked before every optimizer step, also the per-block steps of fused methods.
+        self.optimizer.register_step_pre_hook(_refuse_non_finite_gradients)
+        if target is not None and memory_budget is None:
+            from edgetrain.targets import load_target
+
+            memory_budget = load_target(target).memory_budget_bytes
+        self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget)
+        self.fallback_methods = tuple(fallback_methods)
+        for name in self.fallback_methods:
+            METHODS.get(name)
         self.probe = _resolve_probe(probe, self.backend.name)
+        if self.memory_budget is not None and self.probe is None:
+            raise EdgetrainError("a memory budget needs a working memory probe to measure the first step")
         self.steps_done = 0
         self.stream_position = 0
+        self._budget_checked = self.memory_budget is None
 
     # -- one batch -----------------------------------------------------------------------------
     def _prepare(self, batch: Batch) -> Batch:
@@ -98,26 +137,97 @@ class Learner:
             raise EdgetrainError(f"expected an edgetrain Batch, got {type(batch).__name__}")
         return batch.to(self.backend.device)
 
+    @property
+    def weights_bytes(self) -> int:
+        tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
+        import copy
+
+        return ({name: p.detach().clone() for name, p in self.params.items()},
+                copy.deepcopy(self.optimizer.state_dict()))
+
+    def _restore_snapshot(self, snapshot: tuple[dict[str, torch.Tensor], dict]) -> None:
+        weights, optimizer_state = snapshot
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(weights[name])
+        self.optimizer.load_state_dict(optimizer_state)
+
     def step(self, batch: Batch) -> StepStats:
+        """One step. A NaN/inf loss or gradient raises TrainingError and leaves the weights (and
+        optimizer state) of the last good step; the first step is checked against the memory budget."""
         batch = self._prepare(batch)
+        if not self._budget_checked:
+            return self._first_step_within_budget(batch)
+        snapshot = self._snapshot() if getattr(self.method, "partial_updates", False) else None
         baseline = None
         if self.probe is not None:
             self.probe.reset_peak()
             baseline = self.probe.current_bytes()
         self.backend.synchronize()
         start = time.perf_counter()
-        loss = self.method.step(batch, self.optimizer)
+        try:
+            loss = self.method.step(batch, self.optimizer)
+        except NonFiniteError as exc:
+            if snapshot is not None:
+                self._restore_snapshot(snapshot)
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingError(f"step {self.steps_done + 1} stopped on batch {batch.index}: {exc}; "
+                                "the weights of the last good step are kept") from None
         self.backend.synchronize()
         seconds = time.perf_counter() - start
         peak = None if self.probe is None else max(0, self.probe.peak_bytes() - baseline)
         loss_value = float(loss)
         if not math.isfinite(loss_value):
-            raise TrainingError(f"non-finite loss {loss_value} at step {self.steps_done} (batch {batch.index})")
+            raise TrainingError(f"non-finite loss {loss_value} at step {self.steps_done + 1} (batch {batch.index})")
         self.steps_done += 1
         self.stream_position = batch.index + 1
         return StepStats(step=self.steps_done, loss=loss_value, samples=batch.num_samples,
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
                          probe=self.probe.name if self.probe else "none")
+
+    def _first_step_within_budget(self, batch: Batch) -> StepStats:
+        """Measure the first step; if weights + its peak exceed the budget, undo it and refuse (or
+        switch to the next allowed lower-memory method and measure again)."""
+        tried = []
+        while True:
+            snapshot = self._snapshot()
+            self._budget_checked = True
+            stats = self.step(batch)
+            needed = self.weights_bytes + (stats.peak_bytes or 0)
+            if needed <= self.memory_budget:
+                return stats
+            self._restore_snapshot(snapshot)
+            self.steps_done -= 1
+            tried.append(f"{self.method_name}: {needed / 2**20:,.1f} MiB")
+            candidates = [m for m in self.fallback_methods if m not in [t.split(":")[0] for t in tried]]
+            if not candidates:
+                raise MemoryBudgetError(self._budget_message(batch, stats, tried))
+            self.method_name = candidates[0]
+            # The original method's options do not apply to another method.
+            self.method_options = {}
+            self.method = METHODS.get(self.method_name)(self.model)
+            print(f"edgetrain: {tried[-1]} is over the {self.memory_budget / 2**20:,.1f} MiB budget; "
+                  f"falling back to {self.method_name}", file=sys.stderr)
+            self._budget_checked = False
+
+    def _budget_message(self, batch: Batch, stats: StepStats, tried: list[str]) -> str:
+        suggestions = []
+        lower = [m for m in FALLBACK_ORDER if m in METHODS and m not in [t.split(":")[0] for t in tried]]
+        if lower:
+            suggestions.append(f"a lower-memory method ({', '.join(lower)}; allow it with fallback_methods=)")
+        if batch.inputs.dim() >= 2 and getattr(self.model, "task", None) == "lm":
+            suggestions.append(f"a shorter sequence (now {batch.inputs.shape[1]})")
+        if batch.num_samples > 1:
+            suggestions.append(f"a smaller batch (now {batch.num_samples})")
+        config = getattr(self.model, "lora_config", None)
+        if config is not None:
+            suggestions.append(f"a smaller LoRA rank (now {config.rank})")
+        return (f"the first step needs {'; '.join(tried)} (weights {self.weights_bytes / 2**20:,.1f} MiB + "
+                f"training peak measured by the {stats.probe} probe), over the memory budget of "
+                f"{self.memory_budget / 2**20:,.1f} MiB. Try " + ", or ".join(suggestions or ["a smaller model"]))
 
     def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
         """Loss and gradient (or the method's estimate) per trainable parameter; weights unchanged."""
@@ -245,6 +355,13 @@ class Learner:
             if checkpoint_every and stats.step % checkpoint_every == 0:
                 self.save_rotating(checkpoint_dir)
         return history
+
+
+def _refuse_non_finite_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+                raise NonFiniteError("non-finite gradient")
 
 
 def format_progress(stats: StepStats, max_steps: int) -> str:

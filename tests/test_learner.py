@@ -149,5 +149,65 @@ def test_non_finite_loss_is_reported(tiny_lora, text_batches):
     with torch.no_grad():
         model.blocks[0].self_attn.q_proj.lora_B.fill_(float("nan"))
     learner = edgetrain.Learner(model, method="bp", probe=False)
-    with pytest.raises(TrainingError, match="non-finite loss"):
+    with pytest.raises(TrainingError, match="non-finite"):
         learner.step(text_batches(1)[0])
+
+
+def test_nan_gradient_keeps_last_good_weights(tiny_lora, text_batches):
+    model = tiny_lora()
+    learner = edgetrain.Learner(model, method="bp", optimizer="adamw", lr=1e-3, probe=False)
+    batches = text_batches(3)
+    learner.step(batches[0])
+    good = _weights(learner)
+    poison = model.blocks[1].register_forward_hook(lambda module, args, out: out * float("inf"))
+    with pytest.raises(TrainingError, match="batch 1: non-finite gradient.*last good step"):
+        learner.step(batches[1])
+    poison.remove()
+    assert all(torch.equal(good[k], v) for k, v in _weights(learner).items())
+    assert learner.steps_done == 1
+    assert learner.step(batches[2]).step == 2  # training goes on
+
+
+def test_mezo_nan_loss_changes_nothing(tiny_lora, text_batches):
+    model = tiny_lora()
+    learner = edgetrain.Learner(model, method="mezo", probe=False)
+    good = _weights(learner)
+    poison = model.blocks[0].register_forward_hook(lambda module, args, out: out * float("nan"))
+    with pytest.raises(TrainingError, match="non-finite loss at theta"):
+        learner.step(text_batches(1)[0])
+    poison.remove()
+    # The +eps/-2eps/+eps walk restores the weights up to rounding; nothing was applied on top.
+    for k, v in _weights(learner).items():
+        torch.testing.assert_close(v, good[k], atol=1e-6, rtol=0)
+
+
+def test_memory_budget_refuses_with_figures_and_suggestions(tiny_lora, text_batches):
+    learner = edgetrain.Learner(tiny_lora(), method="bp", probe=None,
+                                memory_budget="1MiB")
+    before = _weights(learner)
+    from edgetrain.learner import MemoryBudgetError
+
+    with pytest.raises(MemoryBudgetError, match=r"bp: [\d.,]+ MiB .* over the memory budget of 1.0 MiB. "
+                                                r"Try a lower-memory method .*mebp.*LoRA rank \(now 4\)"):
+        learner.step(text_batches(1, seq_len=256)[0])
+    assert all(torch.equal(before[k], v) for k, v in _weights(learner).items())
+    assert learner.steps_done == 0
+
+
+def test_memory_budget_falls_back_when_allowed(tiny_lora, text_batches):
+    model = tiny_lora()
+    weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    # Room for the weights and a little more: bp's activations at seq 512 do not fit, mezo's do.
+    learner = edgetrain.Learner(model, method="bp", memory_budget=f"{weights_mib + 6:.1f}MiB",
+                                fallback_methods=("mezo",))
+    stats = learner.step(text_batches(1, seq_len=512, batch_size=2)[0])
+    assert learner.method_name == "mezo" and stats.step == 1
+
+
+def test_parse_bytes():
+    from edgetrain.learner import parse_bytes
+
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes(1024) == 1024
+    with pytest.raises(edgetrain.EdgetrainError, match="cannot read memory size"):
+        parse_bytes("lots")

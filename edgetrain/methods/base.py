@@ -5,6 +5,7 @@ loop, the clock, the probe and the checkpoints. Methods see the model only throu
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Protocol
 
 import torch
@@ -28,6 +29,24 @@ class TrainingMethod(Protocol):
         """JSON-serialisable state needed to resume exactly (seeds, counters)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# A method that applies updates in stages within one step (MeSP's per-block fused update) sets
+# `partial_updates = True`; the learner then snapshots the trainable weights and optimizer state before
+# each step so that a non-finite gradient found half-way leaves the last good weights in place.
+
+
+class TrainingError(EdgetrainError, RuntimeError):
+    """A step that could not be taken (non-finite loss or gradient, memory budget exceeded, ...)."""
+
+
+class NonFiniteError(TrainingError):
+    """A loss, gradient or update that is NaN or infinite; raised before any weight changes."""
+
+
+def require_finite(value: float, what: str) -> None:
+    if not math.isfinite(value):
+        raise NonFiniteError(f"non-finite {what} ({value})")
 
 
 # name -> constructor(model, **options)

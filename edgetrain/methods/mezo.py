@@ -13,7 +13,7 @@ from torch import nn
 
 from edgetrain.data.batch import Batch
 from edgetrain.losses import task_loss
-from edgetrain.methods.base import METHODS, trainable_parameters
+from edgetrain.methods.base import METHODS, require_finite, trainable_parameters
 from edgetrain.registry import EdgetrainError
 
 
@@ -60,6 +60,9 @@ class ZerothOrder:
         loss_minus = self._loss(batch)
         self._perturb(seed, self.epsilon)
         projected = float((loss_plus - loss_minus) / (2 * self.epsilon))
+        require_finite(float(loss_plus), "loss at theta + eps z")
+        require_finite(float(loss_minus), "loss at theta - eps z")
+        require_finite(projected, "projected gradient")
         return (loss_plus + loss_minus) / 2, projected
 
     def gradients(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
