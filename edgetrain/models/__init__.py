@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 # Importing a model module registers its presets.
-from edgetrain.models import decoder_presets  # noqa: F401
+from edgetrain.models import (convnet, decoder_presets, lstm, mlp, mobilenet, resnet,  # noqa: F401
+                              text_transformer, vit)
 from edgetrain.models.hf_checkpoint import CheckpointError, load_checkpoint_dir
 from edgetrain.models.llama import ConfigError, LlamaConfig, LlamaModel
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS, run_blocks

@@ -28,3 +28,24 @@ def run_blocks(model: nn.Module, x: Any) -> Any:
     for block in model.blocks:
         h = block(h)
     return model.head(h)
+
+
+def example_input(model: nn.Module, batch_size: int, seq_len: int, generator: Any = None) -> Any:
+    """A random input of the shape `model` takes: token ids [B, T] for models with a vocabulary,
+    images/features [B, *shape] otherwise (the shape read off the model's config)."""
+    import torch
+
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__} has no config to read its input shape from")
+    if hasattr(config, "vocab_size"):
+        return torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator)
+    if hasattr(config, "input_shape"):
+        shape = tuple(config.input_shape)
+    elif hasattr(config, "image_size"):
+        shape = (config.in_channels, config.image_size, config.image_size)
+    elif getattr(config, "stem", None) == "cifar" or getattr(config, "stem_stride", 2) == 1:
+        shape = (config.in_channels, 32, 32)
+    else:  # ImageNet-stem ResNets and MobileNets
+        shape = (config.in_channels, 224, 224)
+    return torch.rand((batch_size, *shape), generator=generator)

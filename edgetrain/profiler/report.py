@@ -19,7 +19,9 @@ def _ratio(value: float | None, reference: float | None) -> str:
 
 
 def _mib(value: float | None) -> str:
-    return "-" if value is None else f"{value / MIB:.1f}"
+    if value is None:
+        return "-"
+    return f"{value / MIB:.1f}" if value >= 10 * MIB else f"{value / MIB:.3f}"
 
 
 def _num(value: float | None, spec: str) -> str:
@@ -31,7 +33,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
     if not records:
         return "(no results)"
     first = records[0]
-    head = (f"model {first['model']} ({first.get('layers', '?')} blocks, LoRA r{first['rank']}, "
+    adapters = f"LoRA r{first['rank']}, " if first.get("lora") else "all weights trained, "
+    head = (f"model {first['model']} ({first.get('layers', '?')} blocks, {adapters}"
             f"{first.get('trainable_params', 0):,} trainable), seq {first['seq']}, batch {first['batch']}, "
             f"{first.get('dtype', '')}, {first['backend']}, {first.get('torch_threads', '?')} threads\n"
             f"peak = training memory above the pre-step baseline (weights excluded); "

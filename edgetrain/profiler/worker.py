@@ -43,8 +43,8 @@ def build_model(config):
 
 
 def build_batch(model, config):
-    """A fixed batch of the shape asked for: real English text for language models, the model's
-    own example input for classifiers."""
+    """A fixed batch of the shape asked for: real English text for language models, random inputs
+    of the model's own input shape (and random labels) for classifiers."""
     import torch
 
     from edgetrain.data.batch import Batch
@@ -57,14 +57,12 @@ def build_batch(model, config):
         ids = torch.tensor(list((text * (needed // len(text) + 1))[:needed]), dtype=torch.long)
         ids = ids.remainder(model.config.vocab_size).view(config.batch, config.seq + 1)
         return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), 0)
-    if not hasattr(model, "example_input"):
-        from edgetrain.registry import EdgetrainError
+    from edgetrain.models.zoo import example_input
 
-        raise EdgetrainError(f"model {config.model!r} has no example_input(); cannot build a profiling batch")
     generator = torch.Generator().manual_seed(config.seed)
-    inputs = model.example_input(config.batch, generator=generator)
-    classes = model.num_classes
-    return Batch(inputs, torch.randint(0, classes, (config.batch,), generator=generator), 0)
+    inputs = example_input(model, config.batch, config.seq, generator=generator)
+    labels = torch.randint(0, model.config.num_classes, (config.batch,), generator=generator)
+    return Batch(inputs, labels, 0)
 
 
 def gradient_fidelity(model, method: str, batch, options: dict[str, Any]) -> dict[str, float]:
@@ -95,7 +93,8 @@ def profile_method(config) -> dict[str, Any]:
     batch = build_batch(model, config)
     record: dict[str, Any] = {"method": config.method, "backend": config.backend, "model": config.model,
                               "seq": config.seq, "batch": config.batch, "rank": config.rank,
-                              "dtype": config.dtype, "layers": len(model.blocks)}
+                              "dtype": config.dtype, "layers": len(model.blocks),
+                              "lora": getattr(model, "lora_config", None) is not None}
     if config.fidelity:
         _progress(f"[{config.method}] gradient fidelity against autograd")
         record.update(gradient_fidelity(model, config.method, batch, config.method_options))
