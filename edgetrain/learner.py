@@ -27,6 +27,7 @@ from edgetrain.backends import get_backend
 from edgetrain.checkpoint import (atomic_save_safetensors, flatten_optimizer_state, load_latest_good,
                                   load_safetensors_checked, save_rotating, unflatten_optimizer_state)
 from edgetrain.data.batch import Batch
+from edgetrain.data.validate import validate_batch
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
@@ -135,6 +136,10 @@ class Learner:
     def _prepare(self, batch: Batch) -> Batch:
         if not isinstance(batch, Batch):
             raise EdgetrainError(f"expected an edgetrain Batch, got {type(batch).__name__}")
+        config = getattr(self.model, "config", None)
+        validate_batch(batch, task=getattr(self.model, "task", "classify"),
+                       vocab_size=getattr(config, "vocab_size", None),
+                       num_classes=getattr(config, "num_classes", None))
         return batch.to(self.backend.device)
 
     @property

@@ -1,0 +1,82 @@
+"""Train on a local stream with checkpoints that survive the process being killed.
+
+Run it again with the same --checkpoint-dir and it resumes from the newest checkpoint that passes its
+checksum, at the same stream position, RNG state and method seeds: a run killed at any moment and
+resumed reaches the same weights, bit for bit, as one that was never interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    parser.add_argument("--method", default="mebp")
+    parser.add_argument("--backend", default="torch-cpu")
+    parser.add_argument("--data", default="text", help="stream name: text, digits, fashion-mnist")
+    parser.add_argument("--files", nargs="*", default=None, help="text files or directories (text stream)")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (text)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (language models)")
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--steps", type=int, default=100, help="total steps, resumed ones included")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method-option", action="append", default=[], metavar="KEY=JSON",
+                        help="an option of the method, e.g. epsilon=0.001 (repeatable)")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--memory-budget", default=None, help="e.g. 512MiB: refuse a first step over it")
+    parser.add_argument("--target", default=None, help="device profile from targets/ (its memory budget)")
+    parser.add_argument("--save-adapter", default=None, help="write the LoRA adapter here at the end")
+    parser.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def _method_options(pairs: list[str]) -> dict:
+    from edgetrain.registry import EdgetrainError
+
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise EdgetrainError(f"--method-option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    import edgetrain
+    from edgetrain.data import make_stream
+
+    torch.manual_seed(args.seed)
+    model = edgetrain.load_model(args.model, backend=args.backend)
+    stream_options = {"batch_size": args.batch, "seed": args.seed}
+    if getattr(model, "task", None) == "lm":
+        edgetrain.add_lora(model, rank=args.rank)
+        stream_options.update(seq_len=args.seq, vocab_size=model.config.vocab_size)
+        if args.files:
+            stream_options["paths"] = args.files
+    learner = edgetrain.Learner(model, method=args.method, backend=args.backend, optimizer=args.optimizer,
+                                lr=args.lr, method_options=_method_options(args.method_option), seed=args.seed,
+                                memory_budget=args.memory_budget, target=args.target)
+    if args.checkpoint_dir:
+        resumed = learner.resume(args.checkpoint_dir)
+        if resumed is not None and not args.quiet:
+            print(f"resumed from {resumed} (step {learner.steps_done})", file=sys.stderr)
+    stream = make_stream(args.data, start_index=learner.stream_position, **stream_options)
+    learner.fit(stream, max_steps=args.steps, checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
+                checkpoint_dir=args.checkpoint_dir, progress=not args.quiet)
+    if args.checkpoint_dir and learner.steps_done % max(args.checkpoint_every, 1):
+        learner.save_rotating(args.checkpoint_dir)
+    if args.save_adapter:
+        edgetrain.save_lora(model, args.save_adapter)
+    print(json.dumps({"steps_done": learner.steps_done, "stream_position": learner.stream_position}))
+    return 0
