@@ -10,10 +10,12 @@ the probe; where tensors live belongs to the backend.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -31,6 +33,7 @@ from edgetrain.data.validate import validate_batch
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
+from edgetrain.probes.base import observing_context
 from edgetrain.registry import EdgetrainError
 
 CHECKPOINT_FORMAT = "edgetrain-learner-1"
@@ -126,8 +129,18 @@ class Learner:
         for name in self.fallback_methods:
             METHODS.get(name)
         self.probe = _resolve_probe(probe, self.backend.name)
+        self._budget_probe = self.probe
         if self.memory_budget is not None and self.probe is None:
-            raise EdgetrainError("a memory budget needs a working memory probe to measure the first step")
+            if probe is not None:
+                raise EdgetrainError("a memory budget needs a working memory probe to measure the first step")
+            from edgetrain.probes import TensorAccountant
+
+            # Without an OS probe, tensor accounting still sees every tensor torch allocates (not the
+            # allocator's slack); good enough to refuse a step that cannot fit.
+            print("edgetrain: measuring the first step against the memory budget by tensor accounting",
+                  file=sys.stderr)
+            self._budget_probe = TensorAccountant(self.model)
+        self._step_probe = self.probe
         self.steps_done = 0
         self.stream_position = 0
         self._budget_checked = self.memory_budget is None
@@ -167,14 +180,16 @@ class Learner:
         if not self._budget_checked:
             return self._first_step_within_budget(batch)
         snapshot = self._snapshot() if getattr(self.method, "partial_updates", False) else None
+        probe = self._step_probe
         baseline = None
-        if self.probe is not None:
-            self.probe.reset_peak()
-            baseline = self.probe.current_bytes()
+        if probe is not None:
+            probe.reset_peak()
+            baseline = probe.current_bytes()
         self.backend.synchronize()
         start = time.perf_counter()
         try:
-            loss = self.method.step(batch, self.optimizer)
+            with observing_context(probe) if probe is not None else nullcontext():
+                loss = self.method.step(batch, self.optimizer)
         except NonFiniteError as exc:
             if snapshot is not None:
                 self._restore_snapshot(snapshot)
@@ -183,7 +198,7 @@ class Learner:
                                 "the weights of the last good step are kept") from None
         self.backend.synchronize()
         seconds = time.perf_counter() - start
-        peak = None if self.probe is None else max(0, self.probe.peak_bytes() - baseline)
+        peak = None if probe is None else max(0, probe.peak_bytes() - baseline)
         loss_value = float(loss)
         if not math.isfinite(loss_value):
             raise TrainingError(f"non-finite loss {loss_value} at step {self.steps_done + 1} (batch {batch.index})")
@@ -191,7 +206,7 @@ class Learner:
         self.stream_position = batch.index + 1
         return StepStats(step=self.steps_done, loss=loss_value, samples=batch.num_samples,
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
-                         probe=self.probe.name if self.probe else "none")
+                         probe=probe.name if probe is not None else "none")
 
     def _first_step_within_budget(self, batch: Batch) -> StepStats:
         """Measure the first step; if weights + its peak exceed the budget, undo it and refuse (or
@@ -200,7 +215,13 @@ class Learner:
         while True:
             snapshot = self._snapshot()
             self._budget_checked = True
-            stats = self.step(batch)
+            # Garbage of earlier code freed inside the measured step would hide part of its peak.
+            gc.collect()
+            self._step_probe = self._budget_probe
+            try:
+                stats = self.step(batch)
+            finally:
+                self._step_probe = self.probe
             needed = self.weights_bytes + (stats.peak_bytes or 0)
             if needed <= self.memory_budget:
                 return stats

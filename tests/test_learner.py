@@ -211,3 +211,25 @@ def test_parse_bytes():
     assert parse_bytes(1024) == 1024
     with pytest.raises(edgetrain.EdgetrainError, match="cannot read memory size"):
         parse_bytes("lots")
+
+
+def test_memory_budget_without_os_probe_uses_tensor_accounting(tiny_lora, text_batches, monkeypatch, capsys):
+    from edgetrain.probes import PROBES, default_probe_name
+
+    unavailable = type("Broken", (), {"name": "linux", "available": lambda self: (False, "no /proc here")})
+    monkeypatch.setitem(PROBES._entries, default_probe_name("torch-cpu"), unavailable)
+    learner = edgetrain.Learner(tiny_lora(), method="bp", memory_budget="1MiB")
+    assert "tensor accounting" in capsys.readouterr().err
+    from edgetrain.learner import MemoryBudgetError
+
+    with pytest.raises(MemoryBudgetError, match="measured by the tensors probe"):
+        learner.step(text_batches(1, seq_len=256)[0])
+
+
+def test_learner_refuses_bad_batch_before_training(tiny_lora):
+    from edgetrain.data import Batch, BadBatchError
+
+    learner = edgetrain.Learner(tiny_lora(), probe=False)
+    with pytest.raises(BadBatchError, match="batch 4: token id 999"):
+        learner.step(Batch(torch.tensor([[1, 999]]), torch.tensor([[2, 3]]), 4))
+    assert learner.steps_done == 0

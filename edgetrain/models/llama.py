@@ -92,6 +92,9 @@ class LlamaConfig:
             values.setdefault("rope_theta", rope_params.get("rope_theta", cls.rope_theta))
             if rope_params.get("rope_type", "default") != "default":
                 values.setdefault("rope_scaling", rope_params)
+        if "rope_scaling" in values and not isinstance(values["rope_scaling"], dict):
+            raise ConfigError(f"config.json rope_scaling must be an object or null, "
+                              f"got {type(values['rope_scaling']).__name__}")
         if values.get("rope_scaling", {}).get("rope_type", "default") == "default":
             values.pop("rope_scaling", None)
         for name in ("rms_norm_eps", "rope_theta"):

@@ -6,6 +6,7 @@ same five questions; `available()` never raises, and says why when the answer is
 """
 from __future__ import annotations
 
+import gc
 import sys
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ class Measurement:
         return max(0, self.peak_bytes - self.baseline_bytes)
 
 
-def _observing(probe: MemoryProbe) -> AbstractContextManager[Any]:
+def observing_context(probe: MemoryProbe) -> AbstractContextManager[Any]:
     # Probes that see memory only while active (the tensor accountant is a dispatch mode) are
     # entered around the region; the OS and allocator probes see everything and are not.
     if hasattr(probe, "__enter__") and hasattr(probe, "__exit__"):
@@ -103,7 +104,10 @@ def _observing(probe: MemoryProbe) -> AbstractContextManager[Any]:
 def measuring(probe: MemoryProbe) -> Iterator[Measurement]:
     """Reset the probe's peak, run the block, and record its peak and the baseline it started from."""
     require_available(probe)
-    with _observing(probe):
+    # Garbage left by earlier code would otherwise be freed by a collection that happens to run
+    # inside the window, lowering the current usage and hiding the region's own peak.
+    gc.collect()
+    with observing_context(probe):
         probe.reset_peak()
         result = Measurement(probe=probe.name, baseline_bytes=probe.current_bytes())
         yield result

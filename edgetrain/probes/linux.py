@@ -14,6 +14,8 @@ report identical peaks.
 from __future__ import annotations
 
 import ctypes
+import gc
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -69,6 +71,52 @@ def malloc_threshold_env(threshold_bytes: int = STABLE_MMAP_THRESHOLD_BYTES) -> 
     return {"MALLOC_MMAP_THRESHOLD_": str(threshold_bytes)}
 
 
+_SELF_CHECK_BYTES = 32 * 1024 * 1024
+_self_check_result: tuple[bool, str] | None = None
+
+
+def _self_check() -> tuple[bool, str]:
+    """Does this kernel's /proc really track our resident memory, and does clear_refs reset it?
+
+    Sandboxed kernels (gVisor, some CI runners) serve /proc files whose RSS and VmHWM never move;
+    a probe reading them would report every step as free. Touch a private block, watch RSS rise,
+    unmap it, reset, and watch the high-water mark fall back. Done once per process.
+    """
+    global _self_check_result
+    if _self_check_result is not None:
+        return _self_check_result
+    for _attempt in range(3):  # a thread freeing memory meanwhile can hide the rise; look again
+        _self_check_result = _self_check_once()
+        if _self_check_result[0]:
+            break
+    return _self_check_result
+
+
+def _self_check_once() -> tuple[bool, str]:
+    gc.collect()
+    probe = LinuxProbe()
+    try:
+        before = probe.current_bytes()
+        block = mmap.mmap(-1, _SELF_CHECK_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        page = b"\x01" * mmap.PAGESIZE
+        for offset in range(0, _SELF_CHECK_BYTES, mmap.PAGESIZE):
+            block[offset:offset + mmap.PAGESIZE] = page
+        rise = probe.current_bytes() - before
+        block.close()
+        probe.reset_peak()
+        left_in_peak = probe.peak_bytes() - probe.current_bytes()
+    except (OSError, ProbeUnavailableError) as exc:
+        return False, f"self-check could not read /proc/self: {exc}"
+    mib = 1024 * 1024
+    if rise < _SELF_CHECK_BYTES // 2:
+        return (False, f"/proc/self does not track resident memory here: RSS moved {rise / mib:+.1f} MiB "
+                       f"while a {_SELF_CHECK_BYTES // mib} MiB block was touched (a sandboxed kernel?)")
+    if left_in_peak > _SELF_CHECK_BYTES // 2:
+        return (False, "writing 5 to /proc/self/clear_refs does not reset VmHWM here "
+                       f"(it stayed {left_in_peak / mib:.1f} MiB above RSS)")
+    return True, ""
+
+
 def _read_kb_field(path: Path, field: str) -> int | None:
     """Bytes of a `Field:   123 kB` line, or None when the file has no such line."""
     prefix = field + ":"
@@ -112,6 +160,8 @@ class LinuxProbe:
             return False, f"{clear_refs} does not exist, so the high-water mark cannot be reset"
         if not os.access(clear_refs, os.W_OK):
             return False, f"{clear_refs} is not writable by this user, so the high-water mark cannot be reset"
+        if self.proc_dir == Path("/proc/self"):
+            return _self_check()
         return True, ""
 
     def reset_peak(self) -> None:

@@ -46,15 +46,24 @@ def run_isolated(config: ProfileConfig, on_progress: Callable[[str], None] = lam
             del stderr_tail[:-40]
             on_progress(line.rstrip("\n"))
 
-    reader = threading.Thread(target=forward_progress, daemon=True)
-    reader.start()
+    stdout_lines: list[str] = []
+
+    def collect_stdout() -> None:
+        stdout_lines.extend(child.stdout)
+
+    # Each pipe has exactly one reader (communicate() would read stderr too, racing the forwarder).
+    readers = [threading.Thread(target=forward_progress, daemon=True),
+               threading.Thread(target=collect_stdout, daemon=True)]
+    for reader in readers:
+        reader.start()
     try:
-        stdout, _ = child.communicate(timeout=timeout_s)
+        child.wait(timeout=timeout_s)
     except BaseException:  # KeyboardInterrupt, timeout: leave no orphan behind
         _terminate(child)
         raise
-    reader.join(timeout=5)
-    for line in reversed(stdout.splitlines()):
+    for reader in readers:
+        reader.join(timeout=5)
+    for line in reversed("".join(stdout_lines).splitlines()):
         if line.startswith(RESULT_MARKER):
             record = json.loads(line[len(RESULT_MARKER):])
             if "error" in record:

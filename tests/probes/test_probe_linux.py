@@ -2,6 +2,7 @@
 per-step peaks repeatable (checked in real subprocesses: mallopt changes the whole process)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ glibc_only = pytest.mark.skipif(glibc_version() is None, reason="mallopt(M_MMAP_
 
 @linux_only
 def test_peak_sees_a_freed_block_and_reset_forgets_it():
+    gc.collect()  # garbage of earlier tests freed mid-test would hide the block
     probe = LinuxProbe()
     probe.reset_peak()
     before = probe.current_bytes()
