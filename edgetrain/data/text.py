@@ -1,110 +1,157 @@
-"""A token stream over local text: fixed-length windows of next-token pairs, resumable by index."""
+"""A token stream over local text: fixed-length windows of next-token pairs, resumable by index.
+
+Text comes from files (`paths=[...]`: files, or directories searched for *.txt), a string, or a
+built-in corpus that needs no download: Python's own pydoc topics ("pydoc", the default) or
+Debian's fortune cookies ("fortunes", package `fortunes`).
+"""
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from edgetrain.data.batch import Batch
+from edgetrain.data.indexed import EpochOrder, IndexedStream
 from edgetrain.data.tokenizer import ByteTokenizer, Tokenizer
 from edgetrain.registry import EdgetrainError
 
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
+_FORTUNE_SEPARATOR = re.compile(r"^%$", re.MULTILINE)
 
 
 def default_text_corpus() -> str:
-    """Real English text that needs no download: the topic help pages shipped with Python."""
+    """Real English text that ships with Python: the pydoc topic pages (about 0.7 MB), joined in the
+    order of their keys so the corpus is the same on every run."""
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
 def fortunes_corpus(directory: str | Path = FORTUNES_DIR) -> str:
-    """Debian's fortune cookies (package `fortunes`), another local English corpus."""
+    """Debian's fortune cookies, another local English corpus: every fortune file in `directory`
+    (one with a strfile index `<name>.dat` next to it), in name order, with the "%" separator lines
+    turned into blank lines."""
     directory = Path(directory)
-    files = sorted(p for p in directory.glob("*") if p.is_file() and not p.suffix and not p.name.startswith("."))
+    files = sorted(p for p in directory.glob("*")
+                   if p.is_file() and not p.is_symlink() and p.with_name(p.name + ".dat").is_file()) \
+        if directory.is_dir() else []
     if not files:
-        raise EdgetrainError(f"no fortune files in {directory}; install Debian's package: apt-get install fortunes")
-    return "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+        raise EdgetrainError(f"no fortune files in {directory}: they come from Debian's package fortunes; "
+                             "install it with `apt-get install fortunes`")
+    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    return _FORTUNE_SEPARATOR.sub("", text)
 
 
-def read_text_files(paths: Sequence[str | Path]) -> str:
+TEXT_CORPORA: dict[str, Callable[[], str]] = {"pydoc": default_text_corpus, "fortunes": fortunes_corpus}
+
+
+def find_text_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files named in `paths`, with each directory replaced by its *.txt files (recursively, sorted)."""
+    if isinstance(paths, (str, Path)):  # a lone path would otherwise be iterated character by character
+        paths = [paths]
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files.extend(sorted(path.rglob("*.txt")))
+            files.extend(sorted(p for p in path.rglob("*.txt") if p.is_file()))
         elif path.is_file():
             files.append(path)
         else:
             raise EdgetrainError(f"text source {path} does not exist")
     if not files:
-        raise EdgetrainError(f"no text files (*.txt) found in {', '.join(map(str, paths))}")
+        raise EdgetrainError(f"no text files (*.txt) found in {', '.join(map(str, paths)) or '(no paths)'}")
+    return files
+
+
+def _join_files(files: Sequence[Path]) -> str:
     return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
 
 
-class TextStream:
-    """Batches of `batch_size` windows of `seq_len + 1` tokens: inputs are the first seq_len, targets
-    the last seq_len (the next token of each input).
+def read_text_files(paths: Sequence[str | Path]) -> str:
+    """The contents of `find_text_files(paths)` joined by blank lines (invalid UTF-8 becomes U+FFFD)."""
+    return _join_files(find_text_files(paths))
 
-    Windows are visited in order, or in a seeded per-epoch shuffle; `epochs=None` cycles forever.
-    Batch i is a pure function of (text, seq_len, batch_size, seed, i), so `start_index=k` yields
-    exactly the batches k, k+1, ... of an uninterrupted stream -- what a resumed run needs.
+
+def _describe_files(files: Sequence[Path]) -> str:
+    shown = ", ".join(map(str, files[:5]))
+    return shown + (f" and {len(files) - 5} more files" if len(files) > 5 else "")
+
+
+class TextStream(IndexedStream):
+    """Batches of `batch_size` windows of `seq_len + 1` consecutive tokens: inputs [B, seq_len] are the
+    first seq_len tokens of each window, targets [B, seq_len] the last seq_len, so targets[:, t] is
+    the token after inputs[:, t]. Both are long.
+
+    The token sequence is cut into non-overlapping windows; windows are visited in order, or in a
+    seeded per-epoch shuffle (`shuffle=True`); a tail shorter than a window and the windows of a last
+    partial batch are left out, so every batch has the same shape. `epochs=None` cycles forever.
+    Batch i is a pure function of (text, tokenizer, seq_len, batch_size, shuffle, seed, i), so
+    `start_index=k` yields exactly the batches k, k+1, ... of an uninterrupted stream.
+
+    `vocab_size` is the model's vocabulary size; it is only used to check that every token id the
+    tokenizer produced is below it (a model with 151,936 ids takes byte ids 0..255 as they are).
     """
 
-    def __init__(self, text: str | None = None, *, paths: Sequence[str | Path] | None = None, seq_len: int = 128,
-                 batch_size: int = 1, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
-                 shuffle: bool = False, seed: int = 0, epochs: int | None = None, start_index: int = 0) -> None:
+    def __init__(self, text: str | None = None, *, paths: Sequence[str | Path] | None = None,
+                 corpus: str | None = None, seq_len: int = 128, batch_size: int = 1,
+                 tokenizer: Tokenizer | None = None, vocab_size: int | None = None, shuffle: bool = False,
+                 seed: int = 0, epochs: int | None = None, start_index: int = 0) -> None:
+        super().__init__(epochs=epochs, start_index=start_index)
         if seq_len <= 0 or batch_size <= 0:
             raise EdgetrainError(f"seq_len and batch_size must be positive (got {seq_len}, {batch_size})")
-        if start_index < 0:
-            raise EdgetrainError(f"start_index must be >= 0, got {start_index}")
-        if text is not None and paths is not None:
-            raise EdgetrainError("give text or paths, not both")
-        source = "the built-in corpus (pydoc topics)"
+        if sum(source is not None for source in (text, paths, corpus)) > 1:
+            raise EdgetrainError("give one of text, paths or corpus")
         if paths is not None:
-            text, source = read_text_files(paths), ", ".join(map(str, paths))
-        elif text is None:
-            text = default_text_corpus()
-        self.tokenizer = tokenizer or ByteTokenizer()
-        if vocab_size is not None and self.tokenizer.vocab_size > vocab_size:
-            raise EdgetrainError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's vocabulary "
-                                 f"has {vocab_size}")
+            files = find_text_files(paths)
+            text = _join_files(files)
+            self.source = _describe_files(files)
+        elif text is not None:
+            self.source = "the given text"
+        else:
+            corpus = corpus or "pydoc"
+            if corpus not in TEXT_CORPORA:
+                raise EdgetrainError(f"unknown text corpus {corpus!r}; known corpora: {', '.join(TEXT_CORPORA)}")
+            text, self.source = TEXT_CORPORA[corpus](), f"the built-in {corpus} corpus"
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.tokens = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
         self.seq_len, self.batch_size = seq_len, batch_size
+        self.vocab_size = vocab_size
+        needed = batch_size * (seq_len + 1)
+        if len(self.tokens) < needed:
+            what = "is empty" if len(self.tokens) == 0 else f"has only {len(self.tokens)} tokens"
+            raise EdgetrainError(f"{self.source} {what}: too short for one batch of {batch_size} x "
+                                 f"(seq_len {seq_len} + 1) = {needed} tokens")
+        if vocab_size is not None:
+            self._check_ids_fit(vocab_size)
         self.windows = len(self.tokens) // (seq_len + 1)
         self.batches_per_epoch = self.windows // batch_size
-        if self.batches_per_epoch == 0:
-            raise EdgetrainError(f"{source} has {len(self.tokens)} tokens: too short for one batch of "
-                                 f"{batch_size} x {seq_len + 1} tokens")
-        self.shuffle, self.seed, self.epochs, self.start_index = shuffle, seed, epochs, start_index
+        self.shuffle, self.seed = shuffle, seed
+        self._order = EpochOrder(self.windows, shuffle=shuffle, seed=seed)
 
-    def _window_order(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.windows)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.windows, generator=generator)
+    def _check_ids_fit(self, vocab_size: int) -> None:
+        if vocab_size <= 0:
+            raise EdgetrainError(f"vocab_size must be positive, got {vocab_size}")
+        low, high = int(self.tokens.min()), int(self.tokens.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise EdgetrainError(f"{self.source}: the tokenizer (vocab {self.tokenizer.vocab_size}) produced token id "
+                                 f"{bad}, outside the model's vocabulary [0, {vocab_size})")
 
     def batch(self, index: int) -> Batch:
         epoch, within = divmod(index, self.batches_per_epoch)
-        order = self._window_order(epoch)[within * self.batch_size:(within + 1) * self.batch_size]
+        windows = self._order(epoch)[within * self.batch_size:(within + 1) * self.batch_size]
         span = self.seq_len + 1
-        rows = torch.stack([self.tokens[w * span:(w + 1) * span] for w in order.tolist()])
+        rows = self.tokens[:self.windows * span].view(self.windows, span)[windows]
         return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), index)
 
-    def __len__(self) -> int:
-        if self.epochs is None:
-            raise TypeError("an endless stream has no length")
-        return self.epochs * self.batches_per_epoch
 
-    def __iter__(self) -> Iterator[Batch]:
-        index = self.start_index
-        while self.epochs is None or index < self.epochs * self.batches_per_epoch:
-            yield self.batch(index)
-            index += 1
-
-
-def text_stream(seq_len: int = 128, batch_size: int = 1, **options) -> TextStream:
-    """A TextStream over the built-in corpus, or `paths=[...]` / `text=...`."""
-    return TextStream(seq_len=seq_len, batch_size=batch_size, **options)
+def text_stream(seq_len: int = 128, batch_size: int = 1, *, text: str | None = None,
+                paths: Sequence[str | Path] | None = None, corpus: str | None = None,
+                tokenizer: Tokenizer | None = None, vocab_size: int | None = None, shuffle: bool = False,
+                seed: int = 0, epochs: int | None = None, start_index: int = 0) -> TextStream:
+    """A TextStream over the built-in pydoc corpus, or `corpus="fortunes"`, `paths=[...]` or `text=...`."""
+    return TextStream(text, paths=paths, corpus=corpus, seq_len=seq_len, batch_size=batch_size,
+                      tokenizer=tokenizer, vocab_size=vocab_size, shuffle=shuffle, seed=seed, epochs=epochs,
+                      start_index=start_index)

@@ -1,10 +1,15 @@
-"""Tokenizers: bytes built in (ids 0..255), or a checkpoint's Hugging Face tokenizer.json."""
+"""Tokenizers: UTF-8 bytes built in (ids 0..255), or a checkpoint's Hugging Face tokenizer.json.
+
+Both expose `vocab_size`, `encode(text) -> list[int]` and `decode(ids) -> str`.
+"""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from edgetrain.registry import EdgetrainError
+
+BYTE_VOCAB_SIZE = 256
 
 
 class Tokenizer(Protocol):
@@ -12,45 +17,73 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids: needs no vocabulary file, works with any model whose vocab >= 256."""
+    """UTF-8 bytes as token ids 0..255: needs no vocabulary file and works with any model whose
+    vocabulary has at least 256 ids (a byte id is a valid id of a 151,936-entry LM vocabulary too).
 
-    vocab_size = 256
+    Special tokens, when given, get the ids after the bytes: `ByteTokenizer(["<bos>", "<eos>"])` has
+    vocab_size 258 with "<bos>" = 256 and "<eos>" = 257 (see `special_ids`). `encode` never produces
+    them from text -- a literal "<eos>" in the text is encoded as its bytes -- so the caller adds them
+    where they belong; `decode` writes them back as their names.
+    """
+
+    def __init__(self, special_tokens: Sequence[str] = ()) -> None:
+        if len(set(special_tokens)) != len(special_tokens):
+            raise EdgetrainError(f"special tokens must be distinct, got {list(special_tokens)}")
+        self.special_tokens = tuple(special_tokens)
+        self.special_ids = {name: BYTE_VOCAB_SIZE + i for i, name in enumerate(self.special_tokens)}
+        self.vocab_size = BYTE_VOCAB_SIZE + len(self.special_tokens)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes decoded as UTF-8 (an invalid sequence, e.g. a cut multi-byte character, becomes U+FFFD)."""
+        pieces: list[str] = []
+        pending = bytearray()
+        for token in ids:
+            token = int(token)
+            if 0 <= token < BYTE_VOCAB_SIZE:
+                pending.append(token)
+            elif BYTE_VOCAB_SIZE <= token < self.vocab_size:
+                pieces.append(pending.decode("utf-8", errors="replace"))
+                pending.clear()
+                pieces.append(self.special_tokens[token - BYTE_VOCAB_SIZE])
+            else:
+                raise EdgetrainError(f"token id {token} outside the byte tokenizer's ids [0, {self.vocab_size})")
+        pieces.append(pending.decode("utf-8", errors="replace"))
+        return "".join(pieces)
 
 
 class HFTokenizer:
-    """A `tokenizer.json` read with the `tokenizers` package (imported only when used)."""
+    """A `tokenizer.json` read with the `tokenizers` package (imported only when one is loaded)."""
 
     def __init__(self, path: str | Path) -> None:
         try:
-            from tokenizers import Tokenizer as _Tokenizer
+            from tokenizers import Tokenizer as _RustTokenizer
         except ImportError:
-            raise EdgetrainError("reading tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from None
+            raise EdgetrainError(f"reading {path} needs the 'tokenizers' package: pip install tokenizers") from None
+        self.path = Path(path)
         try:
-            self._tokenizer = _Tokenizer.from_file(str(path))
+            self._tokenizer = _RustTokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises a plain Exception for a damaged file
             raise EdgetrainError(f"{path}: cannot read tokenizer ({exc})") from None
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
+        # No BOS/EOS templates: a stream of windows over running text must not get one per call.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """The tokenizer.json in a checkpoint directory (or the file itself); bytes when `path` is None
-    or the directory has none."""
+    """The tokenizer for a checkpoint: its directory's tokenizer.json (or that file itself) when
+    present, the byte tokenizer when `path` is None or the directory has no tokenizer.json."""
     if path is None:
         return ByteTokenizer()
     path = Path(path)
