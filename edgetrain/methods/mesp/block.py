@@ -1,0 +1,225 @@
+"""One decoder block's forward and structured backward, from its stored input alone.
+
+The backward re-runs the block's forward to regenerate what it needs, then walks it in reverse,
+releasing each intermediate as soon as its last reader is done:
+
+  attention half (recomputed once, kept):  q, k, v after RoPE, attention output o, h1 = x + o_proj(o)
+  MLP half, `mlp_chunk` tokens at a time:  norm -> gate/up -> SiLU*up -> down, recomputed and
+                                           differentiated per chunk (the MLP is position-wise, so
+                                           its [T, intermediate] tensors never exist for all T)
+  attention backward, query chunks:        o_proj -> attention -> RoPE^-1 -> q/k/v -> input norm
+
+Any subset of the seven projections may carry LoRA; the frozen rest are plain linears. The LoRA
+projections x @ A^T are recomputed where their gradient needs them (the MeSP insight) unless
+`store_lora_projection` keeps the ones the recomputed forward produced (the paper's Table 5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgetrain.methods.mesp.ops import (LinearWeights, LoRAGradients, causal_attention_backward,
+                                        causal_attention_forward, compute_dtype, linear_group_backward,
+                                        linear_group_forward, linear_group_input_grad, lora_group_backward,
+                                        rms_norm_backward, rms_norm_forward,
+                                        rope_backward, rope_forward, swiglu_backward, swiglu_forward)
+from edgetrain.models.llama import DecoderBlock, LlamaConfig, rope_cos_sin
+from edgetrain.models.lora import LORA_TARGETS, LoRALinear
+from edgetrain.registry import EdgetrainError
+
+# Projection names in the order the block uses them; module paths come from LORA_TARGETS.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def linear_weights(module: nn.Module, where: str) -> LinearWeights:
+    """Detached weights of a frozen nn.Linear or a LoRALinear (the adapter included)."""
+    if isinstance(module, LoRALinear):
+        if module.merged:
+            raise EdgetrainError(f"{where}: the LoRA adapter is merged into its base weight; "
+                                 "call edgetrain.unmerge_lora(model) before training it")
+        if module.dropout and module.training:
+            raise EdgetrainError(f"{where}: LoRA dropout ({module.dropout}) is not supported by mesp, whose "
+                                 "recomputed forward could not replay the dropout mask; use dropout=0")
+        base = module.base
+        return LinearWeights(base.weight.detach(), None if base.bias is None else base.bias.detach(),
+                             module.lora_A.detach(), module.lora_B.detach(), float(module.scale))
+    if type(module) is nn.Linear:
+        return LinearWeights(module.weight.detach(), None if module.bias is None else module.bias.detach())
+    raise EdgetrainError(f"{where} is a {type(module).__name__}; mesp handles nn.Linear and LoRALinear")
+
+
+@dataclass
+class BlockWeights:
+    """Everything a DecoderBlock computes with, as plain tensors (views of its parameters)."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    eps: float
+    linears: dict[str, LinearWeights]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_block(cls, block: nn.Module, where: str = "block") -> "BlockWeights":
+        if not isinstance(block, DecoderBlock):
+            raise EdgetrainError(f"{where} is a {type(block).__name__}, not a DecoderBlock")
+        config: LlamaConfig = block.self_attn.config
+        norms = (block.input_layernorm, block.post_attention_layernorm)
+        if norms[0].eps != norms[1].eps:
+            raise EdgetrainError(f"{where}: its two RMSNorms use different eps")
+        linears = {name: linear_weights(block.get_submodule(LORA_TARGETS[name]), f"{where}.{LORA_TARGETS[name]}")
+                   for name in PROJECTIONS}
+        return cls(norms[0].weight.detach(), norms[1].weight.detach(), float(norms[0].eps), linears,
+                   config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+
+    def lora_parameter_names(self) -> list[str]:
+        """Block-relative names of the adapter parameters, as block.named_parameters() spells them."""
+        return [f"{LORA_TARGETS[name]}.{part}" for name in PROJECTIONS if self.linears[name].has_lora
+                for part in ("lora_A", "lora_B")]
+
+
+def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] exactly as the model's attention computes them."""
+    return rope_cos_sin(config, seq_len, device, dtype)
+
+
+def _check_chunk(name: str, value: int) -> None:
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq_len: int,
+                    rope: tuple[torch.Tensor, torch.Tensor], attention_chunk: int
+                    ) -> tuple[torch.Tensor, ...]:
+    """x -> (q, k, v after RoPE, attention output o [B, H, T, hd], its [B*T, H*hd] view,
+    h1 = x + o_proj(o) flat, and the LoRA projections of q/k/v and o)."""
+    lin = weights.linears
+    heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
+    cos, sin = rope
+    normed = rms_norm_forward(flat_x, weights.input_norm, weights.eps)
+    (q, k, v), qkv_projection = linear_group_forward(normed, [lin["q"], lin["k"], lin["v"]])
+    del normed
+    q = rope_forward(q.view(batch, seq_len, heads, head_dim).transpose(1, 2), cos, sin)
+    k = rope_forward(k.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2), cos, sin)
+    v = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
+    attention = causal_attention_forward(q, k, v, attention_chunk)
+    attention_flat = attention.transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
+    (h1,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
+    h1.add_(flat_x)
+    return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection
+
+
+def block_forward(weights: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
+                  attention_chunk: int, mlp_chunk: int) -> torch.Tensor:
+    """The block's output for input x [B, T, D], equal to DecoderBlock.forward, computed with the
+    same bounded temporaries as the backward (query-chunked attention, token-chunked MLP)."""
+    _check_chunk("attention_chunk", attention_chunk)
+    _check_chunk("mlp_chunk", mlp_chunk)
+    batch, seq_len, dim = x.shape
+    flat_x = x.reshape(batch * seq_len, dim)
+    h1 = _attention_half(weights, flat_x, batch, seq_len, rope, attention_chunk)[5]
+    lin = weights.linears
+    for start in range(0, h1.shape[0], mlp_chunk):
+        h1_chunk = h1[start:start + mlp_chunk]
+        normed = rms_norm_forward(h1_chunk, weights.post_attention_norm, weights.eps)
+        (gate, up), _ = linear_group_forward(normed, [lin["gate"], lin["up"]])
+        del normed
+        activation = swiglu_forward(gate, up, overwrite_inputs=True)
+        del gate, up
+        (down,), _ = linear_group_forward(activation, [lin["down"]])
+        del activation
+        h1_chunk.add_(down)  # h1 becomes the block output in place: its rows are read only here
+    return h1.view(batch, seq_len, dim)
+
+
+def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor], *, attention_chunk: int, mlp_chunk: int,
+                   store_lora_projection: bool = False, overwrite_grad_out: bool = False
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """dL/dx and the LoRA gradients of the block, given its input x [B, T, D] and dL/d(output).
+
+    Returns (dL/dx shaped like x, {block-relative parameter name: gradient}) with gradients in the
+    parameters' dtype (accumulated in fp32 for half-precision models). overwrite_grad_out=True
+    reuses grad_out's buffer for dL/dx (one [B, T, D] buffer less; grad_out is then consumed).
+    """
+    _check_chunk("attention_chunk", attention_chunk)
+    _check_chunk("mlp_chunk", mlp_chunk)
+    if grad_out.shape != x.shape:
+        raise ValueError(f"grad_out {tuple(grad_out.shape)} does not match the block input {tuple(x.shape)}")
+    batch, seq_len, dim = x.shape
+    heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
+    cos, sin = rope
+    lin = weights.linears
+    accumulators: dict[str, LoRAGradients] = {}
+
+    def acc(name: str) -> LoRAGradients | None:
+        # Created on first use, so that a projection's gradient buffers do not exist before its
+        # backward begins (the attention adapters' are not alive during the MLP's peak).
+        if not lin[name].has_lora:
+            return None
+        if name not in accumulators:
+            accumulators[name] = LoRAGradients.zeros_like(lin[name], compute_dtype(lin[name].lora_A.dtype))
+        return accumulators[name]
+
+    flat_x = x.reshape(batch * seq_len, dim)
+    # The residual stream's gradient: dL/d(output), then dL/dh1, then dL/dx, all in one buffer.
+    flat_grad = grad_out.reshape(batch * seq_len, dim)
+    if not overwrite_grad_out and flat_grad.data_ptr() == grad_out.data_ptr():
+        flat_grad = flat_grad.clone()
+
+    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection = _attention_half(
+        weights, flat_x, batch, seq_len, rope, attention_chunk)
+    if not store_lora_projection:
+        qkv_projection = o_projection = None
+
+    for start in range(0, h1.shape[0], mlp_chunk):
+        h1_chunk, grad_chunk = h1[start:start + mlp_chunk], flat_grad[start:start + mlp_chunk]
+        normed = rms_norm_forward(h1_chunk, weights.post_attention_norm, weights.eps)
+        (gate, up), gate_up_projection = linear_group_forward(normed, [lin["gate"], lin["up"]])
+        if not store_lora_projection:
+            gate_up_projection = None
+        activation = swiglu_forward(gate, up)
+        # down's output is never needed, only its input: its projection is computed once either way.
+        # Its LoRA gradients come first so that the activation is freed before dL/dactivation exists.
+        down_grad_projection = lora_group_backward(activation, [lin["down"]], [grad_chunk], [acc("down")])
+        del activation
+        grad_activation = linear_group_input_grad([lin["down"]], [grad_chunk], down_grad_projection)
+        del down_grad_projection
+        # Consumes gate, up and grad_activation: three [chunk, intermediate] buffers in, two out.
+        grad_gate, grad_up = swiglu_backward(gate, up, grad_activation, overwrite_inputs=True)
+        del gate, up, grad_activation
+        grad_normed = linear_group_backward(normed, [lin["gate"], lin["up"]], [grad_gate, grad_up],
+                                            [acc("gate"), acc("up")], projection=gate_up_projection)
+        del grad_gate, grad_up, gate_up_projection
+        grad_chunk.add_(rms_norm_backward(h1_chunk, weights.post_attention_norm, weights.eps, grad_normed))
+        del normed, grad_normed
+    del h1
+
+    grad_attention_flat = linear_group_backward(attention_flat, [lin["o"]], [flat_grad], [acc("o")],
+                                                projection=o_projection)
+    del attention_flat, o_projection
+    grad_attention = grad_attention_flat.view(batch, seq_len, heads, head_dim).transpose(1, 2)
+    grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk)
+    del q, k, v, attention, grad_attention, grad_attention_flat
+    grad_q = rope_backward(grad_q, cos, sin).transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
+    grad_k = rope_backward(grad_k, cos, sin).transpose(1, 2).reshape(batch * seq_len, kv_heads * head_dim)
+    grad_v = grad_v.transpose(1, 2).reshape(batch * seq_len, kv_heads * head_dim)
+    # The input norm's output is recomputed (one cheap pass over x) rather than held through the MLP.
+    normed = rms_norm_forward(flat_x, weights.input_norm, weights.eps)
+    grad_normed = linear_group_backward(normed, [lin["q"], lin["k"], lin["v"]], [grad_q, grad_k, grad_v],
+                                        [acc("q"), acc("k"), acc("v")], projection=qkv_projection)
+    del normed, grad_q, grad_k, grad_v, qkv_projection
+    flat_grad.add_(rms_norm_backward(flat_x, weights.input_norm, weights.eps, grad_normed))
+
+    grads: dict[str, torch.Tensor] = {}
+    for name in PROJECTIONS:
+        if name not in accumulators:
+            continue
+        accumulator, path = accumulators[name], LORA_TARGETS[name]
+        grads[f"{path}.lora_A"] = accumulator.lora_A.to(lin[name].lora_A.dtype)
+        grads[f"{path}.lora_B"] = accumulator.lora_B.to(lin[name].lora_B.dtype)
+    return flat_grad.view(batch, seq_len, dim), grads

@@ -1,0 +1,100 @@
+"""The LM loss over the head (final RMSNorm + LM head) and its gradient, in tiles of tokens x vocab.
+
+With Qwen2.5's 151,936-token vocabulary the logits of 256 tokens take 156 MB in fp32, and autograd
+keeps them, their log-softmax and their gradient alive together -- more than every decoder block's
+activations. Here the logits only ever exist as one [chunk tokens, vocab_chunk] tile.
+
+The LM head is attention with the vocabulary as keys *and* values: for normalised hidden n,
+  loss = logsumexp(n W^T) - n . W[target],   dL/dn = (softmax(n W^T) W - W[target]) / N_valid,
+so, as in FlashAttention, one pass over the vocabulary with a running max and sum accumulates both
+the log-normaliser and sum_v exp(l_v - max) W_v. Each block of W is read from memory once per token
+chunk and used twice while it is in cache (logits, then the gradient), which is why this is no
+slower than autograd's two full matmuls despite never holding the logits.
+"""
+from __future__ import annotations
+
+import torch
+
+from edgetrain.losses import IGNORE_INDEX
+from edgetrain.methods.mesp.ops import compute_dtype, rms_norm_backward, rms_norm_forward
+
+# Vocabulary rows per tile: a [4096, hidden] block of W (14.7 MB for Qwen2.5-0.5B in fp32) stays in a
+# typical last-level cache between its two uses.
+DEFAULT_VOCAB_CHUNK = 4096
+
+
+def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_weight: torch.Tensor,
+                    targets: torch.Tensor, chunk: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean next-token cross-entropy of lm_head(rms_norm(hidden)) against `targets` (aligned with
+    the positions; IGNORE_INDEX = -100 positions carry no loss), and dL/dhidden.
+
+    hidden [B, T, D] or [N, D]; lm_weight [vocab, D] (tied or not: it is only read); targets of the
+    same leading shape. Equals edgetrain.losses.lm_loss: fp32 softmax, mean over valid tokens.
+    `chunk` tokens x `vocab_chunk` vocabulary entries is the largest temporary.
+    Returns (loss as a 0-dim tensor, fp32 -- fp64 for fp64 inputs --, dL/dhidden shaped and typed
+    like hidden).
+    """
+    if chunk < 1 or vocab_chunk < 1:
+        raise ValueError(f"loss chunk sizes must be positive, got chunk={chunk}, vocab_chunk={vocab_chunk}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}")
+    dtype, work = hidden.dtype, compute_dtype(hidden.dtype)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    valid = flat_targets != IGNORE_INDEX
+    num_valid = valid.sum()
+    # 1/N as a tensor: no host sync, and 0 valid tokens give nan as F.cross_entropy does.
+    inverse_count = num_valid.to(work).reciprocal()
+    vocab_size = lm_weight.shape[0]
+    loss_sum = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    grad_hidden = torch.empty_like(flat_hidden)
+    for start in range(0, flat_hidden.shape[0], chunk):
+        stop = min(start + chunk, flat_hidden.shape[0])
+        hidden_chunk = flat_hidden[start:stop]
+        normed = rms_norm_forward(hidden_chunk, norm_weight, eps)
+        chunk_valid = valid[start:stop]
+        safe_targets = flat_targets[start:stop].masked_fill(~chunk_valid, 0).unsqueeze(1)
+        rows = stop - start
+        running_max = torch.full((rows, 1), float("-inf"), dtype=work, device=hidden.device)
+        target_logits = torch.zeros((rows, 1), dtype=work, device=hidden.device)
+        # Over the non-target entries v, rescaled whenever the running max grows:
+        # sum exp(l_v - max)  and  sum exp(l_v - max) W_v.
+        other_exp_sum = torch.zeros_like(running_max)
+        other_weighted_rows = torch.zeros(rows, hidden.shape[-1], dtype=work, device=hidden.device)
+        for vocab_start in range(0, vocab_size, vocab_chunk):
+            weight_block = lm_weight[vocab_start:vocab_start + vocab_chunk]
+            logits = normed @ weight_block.t()
+            if logits.dtype != work:  # lm_loss upcasts the model's logits the same way
+                logits = logits.to(work)
+            in_tile = (safe_targets >= vocab_start) & (safe_targets < vocab_start + logits.shape[1])
+            tile_targets = (safe_targets - vocab_start).clamp_(0, logits.shape[1] - 1)
+            target_logits = torch.where(in_tile, logits.gather(1, tile_targets), target_logits)
+            new_max = torch.maximum(running_max, logits.amax(1, keepdim=True))
+            rescale = (running_max - new_max).exp_()  # 0 on the first tile (exp(-inf))
+            other_exp_sum.mul_(rescale)
+            other_weighted_rows.mul_(rescale)
+            exps = logits.sub_(new_max).exp_()  # in place: still the one [rows, vocab_chunk] buffer
+            # The target's own term is left out here and added exactly at the end, so that
+            # dL/dn = ((sum_{v != t} p_v W_v) - (1 - p_t) W_t) / N has no cancellation when p_t ~ 1.
+            exps.scatter_(1, tile_targets, torch.where(in_tile, 0, exps.gather(1, tile_targets)))
+            other_exp_sum.add_(exps.sum(1, keepdim=True))
+            other_weighted_rows.addmm_(exps, weight_block if weight_block.dtype == work else weight_block.to(work))
+            del logits, exps
+            running_max = new_max
+        exp_sum = other_exp_sum + (target_logits - running_max).exp()
+        # -log p_t = log(1 + sum_{v != t} exp(l_v - l_t)): log1p keeps a nearly certain target's small
+        # loss exact; far below the max (gap >= 30, loss >= 30) the plain form is exact enough and
+        # cannot overflow.
+        gap = running_max - target_logits
+        token_loss = torch.where(gap < 30, torch.log1p(other_exp_sum * gap.clamp(max=30).exp()), gap + exp_sum.log())
+        loss_sum += torch.where(chunk_valid.unsqueeze(1), token_loss, 0).sum(dtype=torch.float64)
+        # dL/dnormed = (softmax W - W[target]) / N on valid rows, 0 on ignored ones.
+        row_weight = chunk_valid.to(work).mul_(inverse_count).unsqueeze(1)
+        target_rows = lm_weight[safe_targets.squeeze(1)].to(work)
+        grad_normed = other_weighted_rows.sub_(target_rows.mul_(other_exp_sum))
+        grad_normed = grad_normed.mul_(row_weight / exp_sum).to(dtype)
+        del other_weighted_rows, target_rows, normed
+        grad_hidden[start:stop] = rms_norm_backward(hidden_chunk, norm_weight, eps, grad_normed)
+    loss = (loss_sum / num_valid).to(work)
+    return loss, grad_hidden.view(hidden.shape)
