@@ -10,14 +10,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_METHODS = "bp,mebp,mezo,mesp"
+# The first method is the ratio reference. mesp needs a LoRA decoder; the forward-gradient methods
+# train every weight of small vision/text classifiers.
+DEFAULT_METHODS = {"lm": "bp,mebp,mezo,mesp", "classify": "bp,mebp,mezo,fgd,asyncfgd"}
+
+
+def model_task(name_or_path: str) -> str:
+    """"lm" or "classify" for a preset name or checkpoint directory, without allocating weights."""
+    from pathlib import Path
+
+    import torch
+
+    from edgetrain.models.zoo import MODEL_PRESETS
+
+    if Path(name_or_path).is_dir():
+        return "lm"  # checkpoint directories hold HF-format decoders
+    with torch.device("meta"):
+        return MODEL_PRESETS.get(name_or_path)().task
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
     parser.add_argument("--methods", default=None,
-                        help=f"comma-separated methods, first is the ratio reference (default: {DEFAULT_METHODS}, "
-                             "those registered)")
+                        help=f"comma-separated methods, first is the ratio reference (default: "
+                             f"{DEFAULT_METHODS['lm']} for language models, {DEFAULT_METHODS['classify']} "
+                             "for classifiers)")
     parser.add_argument("--backend", default="torch-cpu", help="torch-cpu, torch-cuda or mlx")
     parser.add_argument("--seq", type=int, default=256, help="sequence length (language models)")
     parser.add_argument("--batch", type=int, default=1)
@@ -50,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         _check_positive(name, getattr(args, name))
     parse_dtype(args.dtype)
     if args.methods is None:
-        methods = [m for m in DEFAULT_METHODS.split(",") if m in METHODS]
+        methods = [m for m in DEFAULT_METHODS[model_task(args.model)].split(",") if m in METHODS]
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         for method in methods:
