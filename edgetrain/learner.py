@@ -10,7 +10,6 @@ the probe; where tensors live belongs to the backend.
 """
 from __future__ import annotations
 
-import gc
 import json
 import math
 import sys
@@ -33,7 +32,7 @@ from edgetrain.data.validate import validate_batch
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
-from edgetrain.probes.base import observing_context
+from edgetrain.probes.base import observing_context, settle_memory
 from edgetrain.registry import EdgetrainError
 
 CHECKPOINT_FORMAT = "edgetrain-learner-1"
@@ -95,10 +94,28 @@ def _resolve_probe(probe: Any, backend: str):
         print(f"edgetrain: memory probe {probe.name!r} unavailable ({reason}); peak memory not reported",
               file=sys.stderr)
         return None
+    if probe.name == "linux":
+        from edgetrain.probes import fix_malloc_mmap_threshold
+
+        # Otherwise glibc keeps freed blocks of up to 32 MiB resident and reuses them, so every step
+        # after the first reports a peak near zero. Costs a page fault per large allocation.
+        fix_malloc_mmap_threshold()
     return probe
 
 
 class Learner:
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Learner":
+        # Learner(model, backend="mlx", ...) is an MLXLearner (same interface, MLX models).
+        if cls is Learner:
+            backend = kwargs.get("backend", args[2] if len(args) > 2 else "torch-cpu")
+            if isinstance(backend, str) and backend in _backends.BACKENDS \
+                    and _backends.BACKENDS.get(backend).framework == "mlx":
+                get_backend(backend)  # says why not (mlx missing) before importing it
+                from edgetrain.backends.mlx.learner import MLXLearner
+
+                cls = MLXLearner
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, method: str = "bp", backend: str = "torch-cpu",
                  optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
                  optimizer_options: dict[str, Any] | None = None,
@@ -215,8 +232,7 @@ class Learner:
         while True:
             snapshot = self._snapshot()
             self._budget_checked = True
-            # Garbage of earlier code freed inside the measured step would hide part of its peak.
-            gc.collect()
+            settle_memory()
             self._step_probe = self._budget_probe
             try:
                 stats = self.step(batch)

@@ -129,7 +129,7 @@ def test_evaluate_lm_metrics(tiny_lora, text_batches):
 
 
 def test_unknown_names_list_the_known_ones(tiny_lora):
-    with pytest.raises(edgetrain.EdgetrainError, match="unknown method 'sgdx'.*bp, mebp"):
+    with pytest.raises(edgetrain.EdgetrainError, match="unknown method 'sgdx'.*bp, .*mebp, mesp, mezo"):
         edgetrain.Learner(tiny_lora(), method="sgdx")
     with pytest.raises(edgetrain.EdgetrainError, match="unknown backend 'tpu'.*torch-cpu"):
         edgetrain.Learner(tiny_lora(), backend="tpu")

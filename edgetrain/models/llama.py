@@ -7,12 +7,15 @@ key rename, and the block view (embed / blocks / head) is what every training me
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from edgetrain.registry import EdgetrainError
 
@@ -182,9 +185,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(cfg, seq_len, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=cfg.kv_groups > 1)
+        # The fused CPU kernel has no forward-mode derivative; forward-gradient methods (fgd)
+        # push dual tensors through here, so they get the composite math kernel instead.
+        kernel = sdpa_kernel(SDPBackend.MATH) if _carries_tangent(q, k, v) else nullcontext()
+        with kernel:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.kv_groups > 1)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+def _carries_tangent(*tensors: torch.Tensor) -> bool:
+    return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
 class SwiGLU(nn.Module):

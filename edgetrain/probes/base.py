@@ -92,6 +92,16 @@ class Measurement:
         return max(0, self.peak_bytes - self.baseline_bytes)
 
 
+def settle_memory() -> None:
+    """Before a measured window: collect garbage (otherwise a collection that happens to run inside
+    the window frees earlier objects and hides the region's own peak) and give free heap back to the
+    kernel (otherwise the region reuses resident free chunks and RSS does not see it)."""
+    from edgetrain.probes.linux import release_free_heap
+
+    gc.collect()
+    release_free_heap()
+
+
 def observing_context(probe: MemoryProbe) -> AbstractContextManager[Any]:
     # Probes that see memory only while active (the tensor accountant is a dispatch mode) are
     # entered around the region; the OS and allocator probes see everything and are not.
@@ -104,9 +114,7 @@ def observing_context(probe: MemoryProbe) -> AbstractContextManager[Any]:
 def measuring(probe: MemoryProbe) -> Iterator[Measurement]:
     """Reset the probe's peak, run the block, and record its peak and the baseline it started from."""
     require_available(probe)
-    # Garbage left by earlier code would otherwise be freed by a collection that happens to run
-    # inside the window, lowering the current usage and hiding the region's own peak.
-    gc.collect()
+    settle_memory()
     with observing_context(probe):
         probe.reset_peak()
         result = Measurement(probe=probe.name, baseline_bytes=probe.current_bytes())

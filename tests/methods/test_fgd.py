@@ -239,3 +239,30 @@ def train_digits(method: str, epochs: int, lr: float, method_options: dict | Non
 def test_fgd_learns_digits_in_a_short_run():
     # 60 epochs (~2,600 steps, a few seconds); the full 200-epoch table is the slow test in test_asyncfgd.
     assert train_digits("fgd", epochs=60, lr=0.007) >= 0.85
+
+
+def test_on_a_lora_decoder_the_jvp_is_the_autograd_directional_derivative():
+    # Attention's fused CPU kernel has no forward-mode rule; the decoder must fall back to the math
+    # kernel under dual tensors, and the JVP must then equal grad . u from reverse mode.
+    from edgetrain.data import text_stream
+    from edgetrain.methods import METHODS
+
+    torch.manual_seed(0)
+    model = edgetrain.load_model("tiny")
+    edgetrain.add_lora(model, rank=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)  # so that lora_A gets a gradient too
+    batch = next(iter(text_stream(seq_len=16, batch_size=2, vocab_size=model.config.vocab_size)))
+    bp_loss, truth = METHODS.get("bp")(model).gradients(batch)
+    method = ForwardGradient(model, seed=3, tangent_checkpoint=False)
+    loss, derivatives = method.loss_and_derivatives(batch, 0)
+    tangents = {name: t.clone() for (key, name), t in method.bank._kept.items()}
+    assert set(tangents) == set(truth)
+    directional = sum(float((truth[name] * u).sum()) for name, u in tangents.items())
+    assert loss == pytest.approx(float(bp_loss), rel=1e-6)
+    assert derivatives[0] == pytest.approx(directional, rel=1e-4)
+    estimate = method.stage.estimate(0, derivatives)
+    for name, u in tangents.items():
+        torch.testing.assert_close(estimate[name], derivatives[0] * u)
