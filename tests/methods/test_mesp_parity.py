@@ -238,3 +238,18 @@ def test_refuses_merged_adapters_and_lora_dropout(tiny_lora, text_batches):
     model = tiny_lora(rank=2, dropout=0.1)
     with pytest.raises(edgetrain.EdgetrainError, match="dropout"):
         METHODS.get("mesp")(model).gradients(batch)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_checkpoint_saved_by_transformers_matches_bp(tmp_path, model_type):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if model_type == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    else:
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = with_lora(edgetrain.load_model(tmp_path))
+    assert_matches_bp(model, random_batch(97, batch=3, seq_len=13))
