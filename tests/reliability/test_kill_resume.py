@@ -83,3 +83,5 @@ def test_killed_and_resumed_equals_uninterrupted(method, tmp_path):
     assert expected.keys() == got.keys() and any(k.startswith("param/") for k in expected)
     for name in expected:
         assert torch.equal(expected[name], got[name]), f"{method}: {name} differs after {kills} kills"
+    print(f"\n{method}: killed {kills}x with SIGKILL, resumed; {len(expected)} tensors bit-identical "
+          f"to the uninterrupted run after {STEPS} steps")
