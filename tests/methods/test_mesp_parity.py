@@ -253,3 +253,35 @@ def test_checkpoint_saved_by_transformers_matches_bp(tmp_path, model_type):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model = with_lora(edgetrain.load_model(tmp_path))
     assert_matches_bp(model, random_batch(97, batch=3, seq_len=13))
+
+
+@pytest.mark.parametrize("rollback", [True, False])
+def test_fused_step_with_a_late_non_finite_gradient(tiny_lora, text_batches, monkeypatch, rollback):
+    """Block 0's gradients come last; when they are NaN the other blocks were already updated. With
+    rollback (the default) the learner restores the last good step; without, the step still raises."""
+    import edgetrain.methods.mesp.method as mesp_method
+    from edgetrain.methods.base import TrainingError
+
+    model = tiny_lora()
+    learner = edgetrain.Learner(model, method="mesp", optimizer="adamw", lr=1e-2, probe=False,
+                                method_options={"fused_update": True, "rollback": rollback})
+    batches = text_batches(2)
+    learner.step(batches[0])
+    good = {name: p.detach().clone() for name, p in learner.params.items()}
+    real_backward, calls = mesp_method.block_backward, []
+
+    def poisoned(*args, **kwargs):
+        grad, grads = real_backward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == len(model.blocks):
+            grads = {name: g * float("nan") for name, g in grads.items()}
+        return grad, grads
+
+    monkeypatch.setattr(mesp_method, "block_backward", poisoned)
+    with pytest.raises(TrainingError, match="non-finite gradient"):
+        learner.step(batches[1])
+    changed = {name for name, p in learner.params.items() if not torch.equal(p, good[name])}
+    if rollback:
+        assert not changed
+    else:
+        assert changed and all(not name.startswith("blocks.0.") for name in changed)

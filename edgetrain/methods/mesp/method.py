@@ -99,6 +99,12 @@ class StructuredBackprop:
         parameters whose .grad is None, so their per-parameter step counts stay right. Optimizers
         that couple parameters (global gradient-norm clipping, LBFGS) must not be fused. Memory the
         optimizer keeps (Adam's moments) is unchanged. `gradients()` never fuses.
+    rollback: with fused_update, let the learner keep a copy of the adapters and optimizer state
+        during each step so that a non-finite gradient found half-way (after later blocks were
+        already updated) restores the last good step. The copy costs one adapter-sized buffer plus
+        the optimizer state (Adam: three times the adapters), which can exceed MeSP's activation
+        peak; rollback=False drops it, and such a step still raises but leaves the blocks updated
+        before the bad gradient was found.
     store_lora_projection: keep each adapter's x @ A^T from the recomputed forward for its backward
         instead of recomputing it (the paper's Table 5 "store" ablation; [N, rank] per adapter).
     attention_chunk / mlp_chunk / loss_chunk: query rows / tokens / tokens per chunk; smaller
@@ -107,13 +113,15 @@ class StructuredBackprop:
 
     name = "mesp"
 
-    def __init__(self, model: nn.Module, *, fused_update: bool = False, store_lora_projection: bool = False,
+    def __init__(self, model: nn.Module, *, fused_update: bool = False, rollback: bool = True,
+                 store_lora_projection: bool = False,
                  attention_chunk: int = DEFAULT_ATTENTION_CHUNK, mlp_chunk: int = DEFAULT_MLP_CHUNK,
                  loss_chunk: int = DEFAULT_LOSS_CHUNK, **unknown: Any) -> None:
         if unknown:
             raise EdgetrainError(f"mesp: unknown option(s) {', '.join(sorted(unknown))}; known: fused_update, "
-                                 "store_lora_projection, attention_chunk, mlp_chunk, loss_chunk")
+                                 "rollback, store_lora_projection, attention_chunk, mlp_chunk, loss_chunk")
         self.fused_update = _flag("fused_update", fused_update)
+        self.rollback = _flag("rollback", rollback)
         self.store_lora_projection = _flag("store_lora_projection", store_lora_projection)
         self.attention_chunk = _positive_int("attention_chunk", attention_chunk)
         self.mlp_chunk = _positive_int("mlp_chunk", mlp_chunk)
@@ -135,9 +143,10 @@ class StructuredBackprop:
 
     @property
     def partial_updates(self) -> bool:
-        """A fused step updates block by block; the learner snapshots the adapters and optimizer
-        state first, so a non-finite gradient found half-way leaves the last good weights."""
-        return self.fused_update
+        """A fused step updates block by block; unless rollback is off, the learner snapshots the
+        adapters and optimizer state first, so a non-finite gradient found half-way leaves the last
+        good weights."""
+        return self.fused_update and self.rollback
 
     def _check_batch(self, batch: Batch) -> None:
         inputs, targets = batch.inputs, batch.targets
