@@ -42,6 +42,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
+    parser.add_argument("--quantize-bits", type=int, default=None, metavar="N",
+                        help="mlx backend: base weights in N bits, group size 64 (4: the MeSP paper's setup)")
     parser.add_argument("--no-fidelity", action="store_true", help="skip the gradient comparison with autograd")
     parser.add_argument("--target", default=None, help="device profile from targets/ (budget warning)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write one JSON record per method")
@@ -66,6 +68,14 @@ def main(args: argparse.Namespace) -> int:
     for name in ("seq", "batch", "rank", "steps", "layers"):
         _check_positive(name, getattr(args, name))
     parse_dtype(args.dtype)
+    from edgetrain.backends import get_backend
+
+    if get_backend(args.backend).framework == "mlx":
+        from edgetrain.backends.mlx.methods import MLX_METHODS as METHODS  # noqa: N811
+    elif args.quantize_bits is not None:
+        from edgetrain.registry import EdgetrainError
+
+        raise EdgetrainError("--quantize-bits is for the mlx backend")
     if args.methods is None:
         methods = [m for m in DEFAULT_METHODS[model_task(args.model)].split(",") if m in METHODS]
     else:
@@ -82,7 +92,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"edgetrain profile: [{index}/{len(methods)}] {method} on {args.model}", file=sys.stderr, flush=True)
         config = ProfileConfig(model=args.model, method=method, backend=args.backend, seq=args.seq,
                                batch=args.batch, rank=args.rank, steps=args.steps, dtype=args.dtype,
-                               layers=args.layers, fidelity=not args.no_fidelity)
+                               layers=args.layers, fidelity=not args.no_fidelity,
+                               quantize_bits=args.quantize_bits)
         records.append(run_isolated(config, on_progress=lambda line: print("    " + line, file=sys.stderr,
                                                                                flush=True)))
     print(format_table(records))

@@ -29,10 +29,17 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | torch.dtype = torch.float32,
                device: str | torch.device | None = None) -> nn.Module:
-    """A model by preset name (random init) or from a Hugging Face-format checkpoint directory."""
+    """A model by preset name (random init) or from a Hugging Face-format checkpoint directory.
+    backend="mlx" gives the MLX decoder (edgetrain.backends.mlx.loading.load_mlx_model; `device` unused)."""
+    if backend == "mlx":
+        from edgetrain.backends import get_backend
+
+        get_backend("mlx")  # says why not (mlx missing) before importing it
+        from edgetrain.backends.mlx.loading import load_mlx_model
+
+        return load_mlx_model(name_or_path, dtype=dtype)
     if backend not in ("torch", "torch-cpu", "torch-cuda"):
-        raise EdgetrainError(f"load_model: backend {backend!r} has no torch models; "
-                             "use backend='torch' (MLX models come with the mlx backend)")
+        raise EdgetrainError(f"load_model: unknown backend {backend!r}; known: torch, torch-cpu, torch-cuda, mlx")
     dtype = parse_dtype(dtype)
     if device is None:
         device = "cuda" if backend == "torch-cuda" else "cpu"

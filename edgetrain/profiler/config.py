@@ -23,6 +23,7 @@ class ProfileConfig:
     fidelity: bool = True     # compare the method's gradient with exact autograd on the same batch
     layers: int | None = None  # keep only the first N blocks (shape studies of big presets)
     method_options: dict[str, Any] = field(default_factory=dict)
+    quantize_bits: int | None = None  # mlx backend: base weights in N bits (4 = the MeSP paper's)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

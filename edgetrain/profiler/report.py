@@ -36,8 +36,10 @@ def format_table(records: list[dict[str, Any]]) -> str:
     adapters = f"LoRA r{first['rank']}, " if first.get("lora") else "all weights trained, "
     head = (f"model {first['model']} ({first.get('layers', '?')} blocks, {adapters}"
             f"{first.get('trainable_params', 0):,} trainable), seq {first['seq']}, batch {first['batch']}, "
-            f"{first.get('dtype', '')}, {first['backend']}, {first.get('torch_threads', '?')} threads\n"
-            f"peak = training memory above the pre-step baseline (weights excluded); "
+            f"{first.get('dtype', '')}, {first['backend']}, "
+            + (f"{first.get('quantize_bits')}-bit base, " if first.get("quantize_bits") else "")
+            + (f"BLAS: {first['blas']}\n" if first.get("blas") else f"{first.get('torch_threads', '?')} threads\n")
+            + f"peak = training memory above the pre-step baseline (weights excluded); "
             f"probe: {first.get('probe', '-')} (OS/allocator), tensors: live tensor storages; "
             f"ratios are to {first['method']}")
     columns = ["method", "probe MiB", "ratio", "tensors MiB", "ratio", "s/step", "ratio", "loss",

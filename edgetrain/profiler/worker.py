@@ -83,6 +83,12 @@ def gradient_fidelity(model, method: str, batch, options: dict[str, Any]) -> dic
 
 
 def profile_method(config) -> dict[str, Any]:
+    from edgetrain.backends import get_backend
+
+    if get_backend(config.backend).framework == "mlx":
+        from edgetrain.backends.mlx.profile import profile_method_mlx
+
+        return profile_method_mlx(config)
     import torch
 
     import edgetrain

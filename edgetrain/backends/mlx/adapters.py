@@ -1,0 +1,196 @@
+"""LoRA adapters in mlx-lm's format, and conversion from/to edgetrain's torch adapter file.
+
+mlx-lm's adapter directory (what `mlx_lm.lora` writes and `mlx_lm.load(..., adapter_path=)` reads):
+  adapters.safetensors   model.layers.<i>.<module path>.lora_a [in, rank]
+                         model.layers.<i>.<module path>.lora_b [rank, out]
+  adapter_config.json    {"fine_tune_type": "lora", "num_layers": N (LoRA on the last N blocks;
+                          0 or -1: all), "lora_parameters": {"rank", "scale", "dropout",
+                          "keys": [module paths]}} -- mlx_lm.lora writes no "keys" by default,
+                          meaning every linear of the adapted blocks; the tensor names say which.
+mlx-lm's y = linear(x) + scale (x lora_a) lora_b equals edgetrain's torch
+y = base(x) + (alpha / rank) (x A^T) B^T with lora_a = A^T, lora_b = B^T, scale = alpha / rank.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from edgetrain.backends.mlx.loading import to_numpy
+from edgetrain.backends.mlx.lora import add_lora, lora_layers, set_parameters, trainable_parameters
+from edgetrain.checkpoint import atomic_save_safetensors, atomic_write_bytes, load_safetensors_checked
+from edgetrain.models.lora import LORA_TARGETS, LoraConfig
+from edgetrain.registry import EdgetrainError
+
+ADAPTER_WEIGHTS = "adapters.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_TARGET_OF_PATH = {path: target for target, path in LORA_TARGETS.items()}
+
+
+class AdapterError(EdgetrainError, ValueError):
+    """An adapter directory or file that is missing, damaged or does not fit the model."""
+
+
+def mlx_lm_key(block: int, path: str, part: str) -> str:
+    """mlx-lm's name of an adapter tensor: model.layers.<block>.<path>.<lora_a|lora_b>."""
+    return f"model.layers.{block}.{path}.{part}"
+
+
+def _parse_key(key: str, source: str) -> tuple[int, str, str]:
+    prefix = "model.layers."
+    head, _, part = key.rpartition(".")
+    if not key.startswith(prefix) or part not in ("lora_a", "lora_b"):
+        raise AdapterError(f"{source}: {key!r} is not an mlx-lm LoRA tensor name (model.layers.<i>.<module>.lora_a|b)")
+    index, _, path = head[len(prefix):].partition(".")
+    if not index.isdigit() or path not in _TARGET_OF_PATH:
+        raise AdapterError(f"{source}: {key!r} adapts no decoder projection edgetrain knows "
+                           f"({', '.join(_TARGET_OF_PATH)})")
+    return int(index), path, part
+
+
+def _to_torch(array: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _adapted_blocks(model: nn.Module) -> list[int]:
+    return sorted({int(name.split(".")[1]) for name in lora_layers(model)})
+
+
+def save_mlx_lm_adapters(model: nn.Module, directory: str | Path, extra_config: dict[str, Any] | None = None) -> Path:
+    """Write `model`'s adapters as an mlx-lm adapter directory (both files atomically)."""
+    config: LoraConfig | None = getattr(model, "lora_config", None)
+    if config is None or not lora_layers(model):
+        raise AdapterError("model has no LoRA adapters to save")
+    blocks = _adapted_blocks(model)
+    total = len(model.blocks)
+    if blocks != list(range(total - len(blocks), total)):
+        raise AdapterError(f"mlx-lm adapters cover the last N blocks; these cover blocks {blocks}")
+    tensors = {}
+    for name, value in trainable_parameters(model).items():
+        _, index, rest = name.split(".", 2)
+        path, _, part = rest.rpartition(".")
+        tensors[mlx_lm_key(int(index), path, part)] = _to_torch(to_numpy(value))
+    directory = Path(directory)
+    atomic_save_safetensors(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "mlx"})
+    adapter_config = {**(extra_config or {}), "fine_tune_type": "lora", "num_layers": len(blocks),
+                      "lora_parameters": {"rank": config.rank, "scale": config.scale, "dropout": config.dropout,
+                                          "keys": [LORA_TARGETS[t] for t in config.targets]}}
+    atomic_write_bytes(json.dumps(adapter_config, indent=2).encode("utf-8"), directory / ADAPTER_CONFIG)
+    return directory
+
+
+def read_mlx_lm_adapters(directory: str | Path) -> tuple[LoraConfig, int, dict[str, np.ndarray]]:
+    """(LoraConfig, num_layers, {mlx-lm key: float32 array}) of an mlx-lm adapter directory."""
+    directory = Path(directory)
+    config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise AdapterError(f"{directory}: an mlx-lm adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+        fine_tune_type = raw.get("fine_tune_type", "lora")
+        num_layers = int(raw["num_layers"])
+        params = raw["lora_parameters"]
+        rank, scale = int(params["rank"]), float(params["scale"])
+        dropout = float(params.get("dropout", 0.0))
+        keys = params.get("keys")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise AdapterError(f"{config_path}: not an mlx-lm adapter config ({exc!r})") from None
+    if fine_tune_type != "lora":
+        raise AdapterError(f"{config_path}: fine_tune_type {fine_tune_type!r}; edgetrain reads LoRA adapters only")
+    try:
+        weights = {k: to_numpy(v).astype(np.float32) for k, v in mx.load(str(weights_path), format="safetensors").items()}
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise AdapterError(f"{weights_path}: damaged or unreadable safetensors file ({exc})") from None
+    paths = {_parse_key(key, str(weights_path))[1] for key in weights}
+    if keys is None:
+        # mlx-lm adapts every linear of a block when "keys" is absent: the tensors name them.
+        keys = [path for path in LORA_TARGETS.values() if path in paths]
+    unknown = [k for k in keys if k not in _TARGET_OF_PATH]
+    if unknown or not keys:
+        raise AdapterError(f"{config_path}: LoRA keys {unknown or keys} are not decoder projections edgetrain adapts")
+    config = LoraConfig(rank=rank, alpha=scale * rank, dropout=dropout,
+                        targets=tuple(_TARGET_OF_PATH[k] for k in keys))
+    return config, num_layers, weights
+
+
+def load_mlx_lm_adapters(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Load an mlx-lm adapter directory into `model` (adding the adapters when it has none), strictly:
+    every adapter tensor present with its shape, none without a place."""
+    config, num_layers, weights = read_mlx_lm_adapters(directory)
+    if not lora_layers(model):
+        # mlx-lm adapts model.layers[-max(num_layers, 0):]: 0 and -1 mean every block.
+        add_lora(model, config, num_layers=num_layers if num_layers > 0 else None)
+    own = trainable_parameters(model)
+    values = {}
+    for key, array in weights.items():
+        index, path, part = _parse_key(key, str(directory))
+        name = f"blocks.{index}.{path}.{part}"
+        if name not in own:
+            raise AdapterError(f"{directory}: adapter tensor {key!r} has no place in this model")
+        if tuple(array.shape) != tuple(own[name].shape):
+            raise AdapterError(f"{directory}: adapter tensor {key!r} has shape {tuple(array.shape)}, "
+                               f"the model expects {tuple(own[name].shape)}")
+        values[name] = mx.array(array).astype(own[name].dtype)
+    missing = sorted(set(own) - set(values))
+    if missing:
+        raise AdapterError(f"{directory}: missing adapter tensor(s) {', '.join(missing[:5])}")
+    set_parameters(model, values)
+    mx.eval(model.trainable_parameters())
+    return model
+
+
+def torch_adapter_to_mlx_lm(torch_file: str | Path, directory: str | Path) -> Path:
+    """Convert an adapter file written by edgetrain.save_lora (torch) into an mlx-lm adapter directory."""
+    tensors, metadata = load_safetensors_checked(torch_file)
+    if "lora_config" not in metadata:
+        raise AdapterError(f"{torch_file}: not an edgetrain LoRA adapter file (no lora_config in its metadata)")
+    config = LoraConfig(**json.loads(metadata["lora_config"]))
+    converted = {}
+    for name, tensor in tensors.items():
+        head, _, part = name.rpartition(".")
+        _, index, path = head.split(".", 2)
+        if part not in ("lora_A", "lora_B") or path not in _TARGET_OF_PATH:
+            raise AdapterError(f"{torch_file}: {name!r} is not an edgetrain decoder LoRA tensor")
+        # A [r, in] -> lora_a [in, r]; B [out, r] -> lora_b [r, out].
+        converted[mlx_lm_key(int(index), path, part.lower())] = tensor.float().t().contiguous()
+    blocks = sorted({int(k.split(".")[2]) for k in converted})
+    directory = Path(directory)
+    atomic_save_safetensors(converted, directory / ADAPTER_WEIGHTS, metadata={"format": "mlx"})
+    adapter_config = {"fine_tune_type": "lora", "num_layers": len(blocks),
+                      "lora_parameters": {"rank": config.rank, "scale": config.scale, "dropout": config.dropout,
+                                          "keys": [LORA_TARGETS[t] for t in config.targets]}}
+    atomic_write_bytes(json.dumps(adapter_config, indent=2).encode("utf-8"), directory / ADAPTER_CONFIG)
+    return directory
+
+
+def mlx_lm_to_torch_adapter(directory: str | Path, torch_file: str | Path) -> Path:
+    """Convert an mlx-lm adapter directory into an adapter file edgetrain.load_lora (torch) reads.
+    Block indices are kept as they are (mlx-lm numbers blocks from the model's first)."""
+    config, _, weights = read_mlx_lm_adapters(directory)
+    tensors = {}
+    for key, array in weights.items():
+        index, path, part = _parse_key(key, str(directory))
+        tensors[f"blocks.{index}.{path}.lora_{part[-1].upper()}"] = _to_torch(array.T.copy())
+    return atomic_save_safetensors(tensors, torch_file, metadata={"lora_config": json.dumps(asdict(config))})
+
+
+def set_adapter_weights_from_torch(model: nn.Module, torch_lora: dict[str, Any]) -> None:
+    """Copy edgetrain torch LoRA tensors ({"blocks.0.self_attn.q_proj.lora_A": [r, in], ...}) into
+    `model`'s MLX adapters (transposed), e.g. to start both backends from the same adapter."""
+    own = trainable_parameters(model)
+    values = {}
+    for name, tensor in torch_lora.items():
+        head, _, part = name.rpartition(".")
+        target = f"{head}.{part.lower()}"
+        if target not in own:
+            raise AdapterError(f"torch adapter tensor {name!r} has no place in this MLX model")
+        values[target] = mx.array(tensor.detach().float().cpu().numpy().T.copy()).astype(own[target].dtype)
+    set_parameters(model, values)
+    mx.eval(model.trainable_parameters())

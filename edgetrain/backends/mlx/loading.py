@@ -1,0 +1,195 @@
+"""MLX decoders by preset name (random init), from Hugging Face checkpoint directories, or copied
+from an edgetrain torch model.
+
+Checkpoint directories go through the same checks as the torch loader (edgetrain.models.hf_checkpoint):
+config.json validated by LlamaConfig.from_hf_dict, safetensors only, every tensor present with the
+right shape, unknown tensors refused -- with the same error types.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from edgetrain.backends.mlx.model import MLXDecoder, hf_key_to_edgetrain
+from edgetrain.backends.mlx.quantize import DEFAULT_GROUP_SIZE, ComputeMode, quantize_block, quantize_model
+from edgetrain.models.hf_checkpoint import CheckpointError, read_config, safetensors_files
+from edgetrain.models.llama import ConfigError, LlamaConfig
+from edgetrain.registry import EdgetrainError
+
+_DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16, "bf16": mx.bfloat16,
+           "float16": mx.float16, "fp16": mx.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def parse_mlx_dtype(dtype: str | mx.Dtype) -> mx.Dtype:
+    if isinstance(dtype, mx.Dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise EdgetrainError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPES)}") from None
+
+
+def preset_config(name: str) -> LlamaConfig:
+    """The LlamaConfig of a decoder preset (the torch presets' shapes: tiny, qwen2.5-*)."""
+    from edgetrain.models.decoder_presets import QWEN25_SHAPES, qwen25_config, tiny_config
+
+    if name == "tiny":
+        return tiny_config()
+    if name in QWEN25_SHAPES:
+        return qwen25_config(name)
+    raise EdgetrainError(f"unknown MLX model {name!r}: not a directory and not a decoder preset; "
+                         f"known presets: tiny, {', '.join(QWEN25_SHAPES)}")
+
+
+def _init_block(block: nn.Module, std: float, dtype: mx.Dtype) -> None:
+    """normal(0, std) weights, zero biases, unit norms (the torch presets' init, other random numbers)."""
+    values = []
+    for name, value in tree_flatten(block.parameters()):
+        if name.endswith("layernorm.weight"):
+            values.append((name, mx.ones(value.shape, dtype=dtype)))
+        elif name.endswith(".bias"):
+            values.append((name, mx.zeros(value.shape, dtype=dtype)))
+        else:
+            values.append((name, (mx.random.normal(value.shape) * std).astype(dtype)))
+    block.update(tree_unflatten(values))
+
+
+def build_random(config: LlamaConfig, *, dtype: str | mx.Dtype = "float32", seed: int = 0, std: float = 0.02,
+                 layers: int | None = None, quantize_bits: int | None = None,
+                 group_size: int = DEFAULT_GROUP_SIZE, compute_mode: ComputeMode | None = None) -> MLXDecoder:
+    """A randomly initialised decoder. Blocks are initialised (and quantised) one at a time, so a
+    3B-shape 4-bit model never holds its dense weights at once; `layers` keeps only the first N."""
+    dtype = parse_mlx_dtype(dtype)
+    if layers is not None:
+        if not 0 < layers <= config.num_hidden_layers:
+            raise EdgetrainError(f"layers={layers}: the model has {config.num_hidden_layers} blocks")
+        config = LlamaConfig(**{**config.__dict__, "num_hidden_layers": layers})
+    mx.random.seed(seed)
+    # MLX arrays are lazy: the constructor's own random weights are replaced before anything
+    # evaluates them, so they never take memory.
+    model = MLXDecoder(config)
+    model.embed.embed_tokens.weight = (mx.random.normal((config.vocab_size, config.hidden_size)) * std).astype(dtype)
+    model.head.norm.weight = mx.ones((config.hidden_size,), dtype=dtype)
+    if not config.tie_word_embeddings:
+        model.head.lm_head.weight = (mx.random.normal((config.vocab_size, config.hidden_size)) * std).astype(dtype)
+    mx.eval(model.embed.parameters(), model.head.parameters())
+    for block in model.blocks:
+        _init_block(block, std, dtype)
+        if quantize_bits:
+            quantize_block(block, group_size, quantize_bits, compute_mode)
+        mx.eval(block.parameters())
+    if quantize_bits:
+        quantize_model(model, quantize_bits, group_size, compute_mode)  # records the spec; blocks are done
+    return model
+
+
+def from_torch(torch_model: Any, dtype: str | mx.Dtype | None = None) -> MLXDecoder:
+    """An MLX copy of an edgetrain torch LlamaModel (without LoRA), same weights bit for bit."""
+    import torch
+
+    config: LlamaConfig = torch_model.config
+    state = {k: v for k, v in torch_model.state_dict().items()}
+    if any(".lora_" in k or ".base." in k for k in state):
+        raise EdgetrainError("from_torch copies a plain decoder; copy it before add_lora, then add LoRA to both")
+    target = parse_mlx_dtype(dtype) if dtype is not None else None
+    tensors = {}
+    for key, tensor in state.items():
+        array = mx.array(tensor.detach().to(torch.float32).cpu().numpy())
+        tensors[key] = array.astype(target or _torch_to_mlx_dtype(tensor.dtype))
+    model = MLXDecoder(config)
+    _assign(model, tensors, "the torch model")
+    return model
+
+
+def _torch_to_mlx_dtype(dtype: Any) -> mx.Dtype:
+    return {"torch.float32": mx.float32, "torch.bfloat16": mx.bfloat16,
+            "torch.float16": mx.float16}.get(str(dtype), mx.float32)
+
+
+def _assign(model: MLXDecoder, tensors: dict[str, mx.array], source: str) -> None:
+    """Strict assignment: every parameter present with its shape; unknown tensors are an error."""
+    expected = dict(tree_flatten(model.parameters()))
+    tied = {"head.lm_head.weight"} if model.config.tie_word_embeddings else set()
+    values = []
+    for name, array in tensors.items():
+        if name in tied:
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{source}: tensor {name!r} does not belong to a {type(model).__name__}")
+        if tuple(array.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
+                                  f"the model expects {tuple(expected[name].shape)}")
+        values.append((name, array))
+    present = {name for name, _ in values}
+    missing = [k for k in expected if k not in present]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    model.update(tree_unflatten(values))
+    mx.eval(model.parameters())
+
+
+def _read_safetensors(path: Path) -> dict[str, mx.array]:
+    try:
+        return mx.load(str(path), format="safetensors")
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise CheckpointError(f"{path}: damaged or unreadable safetensors file ({exc})") from None
+
+
+def load_checkpoint_dir(directory: str | Path, dtype: str | mx.Dtype = "float32") -> MLXDecoder:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    raw = read_config(directory)
+    if raw.get("model_type") not in ("llama", "qwen2"):
+        raise ConfigError(f"{directory / 'config.json'}: unsupported model_type {raw.get('model_type')!r}; "
+                          "the MLX backend runs: llama, qwen2")
+    config = LlamaConfig.from_hf_dict(raw)
+    target = parse_mlx_dtype(dtype)
+    tensors: dict[str, mx.array] = {}
+    for path in safetensors_files(directory):
+        for key, array in _read_safetensors(path).items():
+            if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            name = hf_key_to_edgetrain(key)
+            if name in tensors:
+                raise CheckpointError(f"{path}: tensor {key!r} appears in more than one shard")
+            tensors[name] = array.astype(target) if mx.issubdtype(array.dtype, mx.floating) else array
+    model = MLXDecoder(config)
+    _assign(model, tensors, str(directory))
+    return model
+
+
+def load_mlx_model(name_or_path: str | Path, *, dtype: str | mx.Dtype = "float32", seed: int = 0,
+                   layers: int | None = None, quantize_bits: int | None = None,
+                   group_size: int = DEFAULT_GROUP_SIZE, compute_mode: ComputeMode | None = None) -> MLXDecoder:
+    """A decoder by preset name (random init, seeded) or from a Hugging Face checkpoint directory;
+    quantize_bits=4 stores the blocks' base projections in 4 bits (group size 64)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        model = load_checkpoint_dir(path, dtype)
+        if layers is not None:
+            if not 0 < layers <= len(model.blocks):
+                raise EdgetrainError(f"layers={layers}: the model has {len(model.blocks)} blocks")
+            model.blocks = model.blocks[:layers]
+        if quantize_bits:
+            quantize_model(model, quantize_bits, group_size, compute_mode)
+        return model
+    if path.exists() or "/" in str(name_or_path) or str(name_or_path).startswith("."):
+        raise CheckpointError(f"{name_or_path} is not a checkpoint directory (expected a directory "
+                              "with config.json and *.safetensors)")
+    return build_random(preset_config(str(name_or_path)), dtype=dtype, seed=seed, layers=layers,
+                        quantize_bits=quantize_bits, group_size=group_size, compute_mode=compute_mode)
+
+
+def to_numpy(array: mx.array) -> np.ndarray:
+    """An MLX array as numpy (bf16 widened to fp32: numpy has no bfloat16)."""
+    if array.dtype == mx.bfloat16:
+        array = array.astype(mx.float32)
+    return np.array(array)

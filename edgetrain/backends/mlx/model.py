@@ -1,0 +1,178 @@
+"""Llama / Qwen2 decoder in MLX, the twin of edgetrain.models.llama: same LlamaConfig, same block
+view (embed -> blocks -> head), same submodule names (q_proj, input_layernorm, ...), same numerics
+(RMSNorm in fp32, rotate-half RoPE with the torch model's inverse frequencies, causal GQA attention).
+
+Reads top-down: norm -> RoPE -> attention -> MLP -> block -> embedding / head -> model.
+"""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from edgetrain.models.llama import LlamaConfig, rope_inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = mx.ones((dim,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """weight * (x / rms(x)), normalised in fp32 and rounded to x's dtype before the weight (as torch)."""
+    x32 = x.astype(mx.float32)
+    normed = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_cos_sin(config: LlamaConfig, seq_len: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """cos, sin [T, head_dim] from the torch model's inverse frequencies (llama3 scaling included)."""
+    inv_freq = rope_inverse_frequencies(config).numpy().astype(np.float32)
+    angles = np.outer(np.arange(seq_len, dtype=np.float32), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return mx.array(np.cos(angles)).astype(dtype), mx.array(np.sin(angles)).astype(dtype)
+
+
+def rotate_half(x: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    return x * cos + rotate_half(x) * sin
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    """softmax(q k^T / sqrt(hd)) v with a causal mask; q [B, H, T, hd], k/v [B, KV, T, hd] shared by
+    groups of H/KV query heads (no repeated K/V). The softmax runs in fp32."""
+    batch, heads, seq_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, seq_len, head_dim)
+    scores = (grouped @ k[:, :, None].swapaxes(-1, -2)) * (1.0 / math.sqrt(head_dim))
+    positions = mx.arange(seq_len)
+    future = positions[None, :] > positions[:, None]
+    scores = mx.where(future, mx.array(-mx.inf, dtype=scores.dtype), scores)
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
+    return (probs @ v[:, :, None]).reshape(batch, heads, seq_len, head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.q_proj = nn.Linear(config.hidden_size, nh * hd, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array]) -> mx.array:
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        cos, sin = rope
+        out = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, seq_len, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def __call__(self, h: mx.array, rope: tuple[mx.array, mx.array]) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+
+    def __call__(self, token_ids: mx.array) -> mx.array:
+        return self.embed_tokens(token_ids)
+
+
+class LMHead(nn.Module):
+    """Final norm + LM head. With tied embeddings there is no lm_head weight of its own: the head
+    reads the embedding matrix it is given (one copy of the largest tensor, as in torch)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MLXDecoder(nn.Module):
+    """Decoder-only LM exposing the block view: embed -> blocks -> head (final norm + LM head)."""
+
+    task = "lm"
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = TokenEmbedding(config)
+        self.blocks = [DecoderBlock(config) for _ in range(config.num_hidden_layers)]
+        self.head = LMHead(config)
+
+    def lm_head_weight(self) -> mx.array:
+        """[vocab, hidden]: the LM head's weight, or the embedding when they are tied."""
+        if self.config.tie_word_embeddings:
+            return self.embed.embed_tokens.weight
+        return self.head.lm_head.weight
+
+    def rope(self, seq_len: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        return rope_cos_sin(self.config, seq_len, dtype)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.head.norm(hidden) @ self.lm_head_weight().T
+
+    def __call__(self, token_ids: mx.array) -> mx.array:
+        h = self.embed(token_ids)
+        rope = self.rope(h.shape[1], h.dtype)
+        for block in self.blocks:
+            h = block(h, rope)
+        return self.logits(h)
+
+
+# Hugging Face key -> edgetrain key (applied to prefixes), as edgetrain.models.llama.
+HF_PREFIXES = (("model.embed_tokens.", "embed.embed_tokens."), ("model.layers.", "blocks."),
+               ("model.norm.", "head.norm."), ("lm_head.", "head.lm_head."))
+
+
+def hf_key_to_edgetrain(key: str) -> str:
+    for hf_prefix, our_prefix in HF_PREFIXES:
+        if key.startswith(hf_prefix):
+            return our_prefix + key[len(hf_prefix):]
+    return key
+
+
+def edgetrain_key_to_hf(key: str) -> str:
+    for hf_prefix, our_prefix in HF_PREFIXES:
+        if key.startswith(our_prefix):
+            return hf_prefix + key[len(our_prefix):]
+    return key

@@ -1,0 +1,44 @@
+"""Registers backend "mlx": MLX on the Apple GPU when Metal is there, else on the CPU (mlx[cpu]).
+
+Importing this module never imports mlx (edgetrain.backends imports it on every `import edgetrain`):
+availability() says why not when mlx is missing, and the device is read from the platform.
+"""
+from __future__ import annotations
+
+import platform
+import sys
+
+from edgetrain.backends.base import BACKENDS, Backend
+
+
+def mlx_availability() -> tuple[bool, str]:
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError as exc:
+        return False, f"mlx is not importable ({exc}); install edgetrain[mlx]"
+    return True, ""
+
+
+def mlx_device() -> str:
+    """"gpu" where MLX has Metal (Apple silicon), else "cpu"; "none" without mlx."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return "none"
+    return "gpu" if mx.metal.is_available() else "cpu"
+
+
+def expected_device() -> str:
+    """mlx_device() without importing mlx: MLX has Metal on Apple silicon Macs, else runs on the CPU."""
+    return "gpu" if sys.platform == "darwin" and platform.machine() == "arm64" else "cpu"
+
+
+def synchronize() -> None:
+    import mlx.core as mx
+
+    mx.synchronize()
+
+
+if "mlx" not in BACKENDS:
+    BACKENDS.add("mlx", Backend(name="mlx", framework="mlx", device=expected_device(), synchronize=synchronize,
+                                availability=mlx_availability))
