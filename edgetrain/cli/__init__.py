@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # subcommand -> module under edgetrain.cli (imported only when used: keeps --help fast)
-SUBCOMMANDS = {"profile": "profile", "train": "train"}
+SUBCOMMANDS = {"profile": "profile", "train": "train", "export": "export"}
 
 
 def main(argv: list[str] | None = None) -> int:

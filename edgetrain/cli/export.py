@@ -1,0 +1,91 @@
+"""Export a model's trainable part for on-device training: an ExecuTorch .pte or ONNX Runtime artifacts.
+
+The program takes (inputs, targets) of fixed shapes and returns the loss; the device runtime computes the
+gradients of the trainable weights (LoRA adapters of a decoder, or a classifier's head over its frozen
+features) and applies SGD. With --check N the export is trained for N steps in the runtime from Python
+and compared with the same steps of a torch Learner (loss and weights). --batch-file writes N batches
+of the stream to the binary file the native runner (targets/executorch) reads.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import sys
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    parser.add_argument("--trainable", choices=("lora", "head"), default=None,
+                        help="what learns: LoRA adapters (decoders, the default for them) or the head "
+                             "(classifiers, the default for them)")
+    parser.add_argument("--runtime", choices=("executorch", "onnxruntime"), default="executorch")
+    parser.add_argument("--out", required=True, help="the .pte file (executorch) or a directory (onnxruntime)")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    parser.add_argument("--adapter", default=None, help="start from this LoRA adapter (save_lora file)")
+    parser.add_argument("--batch", type=int, default=4, help="batch size (fixed in the program)")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length of decoders (fixed in the program)")
+    parser.add_argument("--data", default=None, help="stream for --check/--batch-file: text (decoders) or "
+                                                     "digits (classifiers) by default")
+    parser.add_argument("--check", type=int, default=0, metavar="N",
+                        help="train N SGD steps in the runtime and in torch and compare")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate of --check")
+    parser.add_argument("--batch-file", default=None, metavar="PATH",
+                        help="also write --batch-steps batches of the stream here (native runner input)")
+    parser.add_argument("--batch-steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _stream(model, args):
+    from edgetrain.data import make_stream
+
+    name = args.data or ("text" if getattr(model, "task", None) == "lm" else "digits")
+    options = {"batch_size": args.batch, "seed": args.seed}
+    if getattr(model, "task", None) == "lm":
+        options.update(seq_len=args.seq, vocab_size=model.config.vocab_size)
+    return make_stream(name, **options)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    import edgetrain
+    from edgetrain.export import (default_part, export_training, load_trainer, make_trainable,
+                                  torch_sgd_trajectory, write_batch_file)
+
+    torch.manual_seed(args.seed)
+    model = edgetrain.load_model(args.model)
+    part = args.trainable or default_part(model)
+    if args.adapter:
+        edgetrain.load_lora(model, args.adapter)
+    make_trainable(model, part, rank=args.rank)
+    stream = _stream(model, args)
+    steps = max(args.check, args.batch_steps if args.batch_file else 0, 1)
+    batches = list(itertools.islice(stream, steps))
+    reference = copy.deepcopy(model) if args.check else None
+    path = export_training(model, batches[0], args.runtime, args.out)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"wrote {path} ({args.runtime}; {part} of {args.model}: {trainable:,} trainable weights; "
+          f"inputs {tuple(batches[0].inputs.shape)} {batches[0].inputs.dtype}, "
+          f"targets {tuple(batches[0].targets.shape)})")
+    if args.batch_file:
+        write_batch_file(args.batch_file, batches[:args.batch_steps])
+        print(f"wrote {args.batch_file} ({args.batch_steps} batches)")
+    if args.check:
+        trainer = load_trainer(args.runtime, path, args.lr, batches[0])
+        losses = [trainer.step(batch) for batch in batches[:args.check]]
+        ref_losses, ref_weights = torch_sgd_trajectory(reference, batches[:args.check], args.lr)
+        weights = trainer.parameters()
+        loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        weight_error = max(float((weights[name] - ref).abs().max()) for name, ref in ref_weights.items())
+        for step, (loss, ref) in enumerate(zip(losses, ref_losses), 1):
+            print(f"step {step:3d}  loss {loss:.6f} ({trainer.runtime})  {ref:.6f} (torch)")
+        print(json.dumps({"runtime": args.runtime, "steps": args.check, "max_loss_error": loss_error,
+                          "max_weight_error": weight_error}))
+        if max(loss_error, weight_error) > 1e-5:
+            print(f"edgetrain export: the {trainer.runtime} run differs from torch by more than 1e-5",
+                  file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,190 @@
+"""ExecuTorch training export and its Python runtime. EVERY experimental ExecuTorch call lives in this file.
+
+Pinned to executorch==1.5.1 (the `export` extra): `_export_forward_backward`, the training pybindings
+(`_load_for_executorch_for_training_from_buffer`, `get_sgd_optimizer`) and the `__et_training_*` method
+names are experimental upstream and change between releases.
+
+Export is four calls on the loss-inside module (edgetrain.export.trainable.LossModule):
+    torch.export.export -> _export_forward_backward -> to_edge -> to_executorch
+The resulting `forward` method returns [loss, gradients..., parameters...]; the methods
+`__et_training_gradients_index_forward` / `__et_training_parameters_index_forward` give where the
+gradients and the parameters start, `__et_training_fqn_forward` their names. The parameter outputs alias
+the program's weights, so an optimizer that writes them in place trains the program (what
+targets/executorch/runner.cpp does without Python).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from edgetrain.checkpoint import atomic_write_bytes
+from edgetrain.data.batch import Batch
+from edgetrain.export.trainable import (BatchSignature, ExportError, LossModule, require, strip_prefix,
+                                        trainable_names)
+
+EXECUTORCH_VERSION = "1.5.1"
+METHOD = "forward"
+GRADIENTS_INDEX_METHOD = f"__et_training_gradients_index_{METHOD}"
+PARAMETERS_INDEX_METHOD = f"__et_training_parameters_index_{METHOD}"
+FQN_METHOD = f"__et_training_fqn_{METHOD}"
+
+
+def _require_executorch() -> None:
+    require("executorch.exir", "ExecuTorch export")
+    version = getattr(require("executorch.version", "ExecuTorch export"), "__version__", "?")
+    if not str(version).startswith(EXECUTORCH_VERSION):
+        warnings.warn(f"edgetrain's ExecuTorch export is tested with executorch=={EXECUTORCH_VERSION}, "
+                      f"found {version}; its training APIs are experimental and change between releases")
+
+
+def _replace_empty_permuted(graph_module: torch.fx.GraphModule) -> int:
+    """aten.empty_permuted (emitted by SiLU's backward decomposition) is not in the Core ATen opset
+    that ExecuTorch lowers; rewrite it as empty in the physical order + permute back (same values)."""
+    aten = torch.ops.aten
+    graph = graph_module.graph
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.empty_permuted.default:
+            continue
+        size, physical_layout = node.args[0], node.args[1]
+        physical = [size[i] for i in physical_layout]
+        inverse = [0] * len(physical_layout)
+        for position, dim in enumerate(physical_layout):
+            inverse[dim] = position
+        with graph.inserting_before(node):
+            empty = graph.call_function(aten.empty.memory_format, (physical,),
+                                        {k: v for k, v in node.kwargs.items() if k != "memory_format"})
+            empty.meta = dict(node.meta)
+            replacement = empty
+            if inverse != list(range(len(inverse))):
+                replacement = graph.call_function(aten.permute.default, (empty, inverse))
+                replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        graph.lint()
+        graph_module.recompile()
+    return replaced
+
+
+def _program_operators(program) -> set[str]:
+    """"aten::mm.out"-style names of every operator the serialised program calls."""
+    names = set()
+    for plan in program.executorch_program.execution_plan:
+        for operator in plan.operators:
+            names.add(f"{operator.name}.{operator.overload}" if operator.overload else operator.name)
+    return names
+
+
+def _check_runtime_has_kernels(program) -> None:
+    from executorch.extension.pybindings.portable_lib import _get_operator_names
+
+    available = set(_get_operator_names())
+    missing = sorted(op for op in _program_operators(program) if op not in available)
+    if missing:
+        raise ExportError(f"the ExecuTorch runtime has no kernel for operator(s) {', '.join(missing)} "
+                          "used by this training program; change the model to avoid them or link a "
+                          "kernel library that provides them")
+
+
+def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = None) -> bytes:
+    """Export the joint forward-backward program of `model` (its trainable weights as set by requires_grad)
+    for batches shaped like `batch`; write it to `path` (a .pte) when given and return its bytes."""
+    _require_executorch()
+    from executorch.exir import to_edge
+    from torch._export.verifier import SpecViolationError
+    from torch.export.experimental import _export_forward_backward
+
+    trainable_names(model)
+    was_training = model.training
+    model.train()
+    module = LossModule(model)
+    try:
+        # The fused CPU attention kernels have no ExecuTorch training counterpart (their backward is not
+        # Core ATen); under the math backend attention decomposes into bmm/softmax, which lower.
+        with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
+            warnings.simplefilter("ignore")
+            try:
+                exported = torch.export.export(module, (batch.inputs, batch.targets), strict=False)
+            except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
+                raise ExportError(f"torch.export could not trace {type(model).__name__} for inputs "
+                                  f"{tuple(batch.inputs.shape)}: {type(exc).__name__}: {exc}") from exc
+            joint = _export_forward_backward(exported)
+            _replace_empty_permuted(joint.graph_module)
+            try:
+                edge = to_edge(joint)
+            except SpecViolationError as exc:
+                op = _first_line_naming_operator(str(exc))
+                raise ExportError(f"ExecuTorch cannot lower this training program: {op}") from exc
+            program = edge.to_executorch()
+    finally:
+        model.train(was_training)
+    _check_runtime_has_kernels(program)
+    data = program.buffer
+    if path is not None:
+        atomic_write_bytes(data, path)
+    return data
+
+
+def _first_line_naming_operator(message: str) -> str:
+    match = re.search(r"Operator torch\._ops\.(\S+) is not in Core ATen opset", message)
+    if match:
+        return (f"operator {match.group(1)} is not in the Core ATen opset ExecuTorch runs (it has no "
+                "decomposition into it); change the model to avoid it")
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ".join(lines[:3]) if lines else "unknown reason"
+
+
+class ExecuTorchTrainer:
+    """Trains an exported .pte in the ExecuTorch Python runtime with its SGD optimizer.
+
+        trainer = ExecuTorchTrainer("head.pte", lr=0.1)
+        loss = trainer.step(batch)              # forward + backward in the program, then SGD in place
+        weights = trainer.parameters()          # {model parameter name: tensor}
+    """
+
+    runtime = "ExecuTorch"
+
+    def __init__(self, program: str | Path | bytes, lr: float, batch: Batch | None = None) -> None:
+        _require_executorch()
+        from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+        # The runtime reads the program from this buffer without copying it: keep it alive as long as we are.
+        self._program_bytes = Path(program).read_bytes() if isinstance(program, (str, Path)) else bytes(program)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "This API is experimental": known, and pinned for it
+            self._module = _load_for_executorch_for_training_from_buffer(self._program_bytes)
+        self.lr = lr
+        self.signature = None if batch is None else BatchSignature.of(batch)
+        self._optimizer = None
+        self.steps_done = 0
+
+    def step(self, batch: Batch) -> float:
+        from executorch.extension.training import get_sgd_optimizer
+
+        if self.signature is not None:
+            self.signature.check(batch, self.runtime)
+        try:
+            outputs = self._module.forward_backward(METHOD, (batch.inputs.contiguous(), batch.targets.contiguous()))
+        except RuntimeError as exc:
+            raise ExportError(f"the ExecuTorch program refused batch {batch.index} (inputs "
+                              f"{tuple(batch.inputs.shape)} {batch.inputs.dtype}): {exc}") from exc
+        if self._optimizer is None:
+            # The parameter tensors alias the program's weights: the optimizer updates them in place.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._optimizer = get_sgd_optimizer(self._module.named_parameters(), self.lr, 0, 0, 0, False)
+        self._optimizer.step(self._module.named_gradients())
+        self.steps_done += 1
+        return float(outputs[0])
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        if self.steps_done == 0:
+            raise ExportError("the ExecuTorch runtime exposes the parameters only after a first step")
+        return {name: t.clone() for name, t in strip_prefix(self._module.named_parameters()).items()}
