@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from edgetrain.profiler.config import ProfileConfig
@@ -57,7 +58,7 @@ def run_isolated(config: ProfileConfig, on_progress: Callable[[str], None] = lam
     for reader in readers:
         reader.start()
     try:
-        child.wait(timeout=timeout_s)
+        _wait_interruptibly(child, timeout_s)
     except BaseException:  # KeyboardInterrupt, timeout: leave no orphan behind
         _terminate(child)
         raise
@@ -71,6 +72,20 @@ def run_isolated(config: ProfileConfig, on_progress: Callable[[str], None] = lam
             return record
     raise ProfileError(f"method {config.method!r}: the profiling subprocess died (exit code "
                        f"{child.returncode}) without a result; its last output:\n" + "".join(stderr_tail))
+
+
+def _wait_interruptibly(child: subprocess.Popen, timeout_s: float | None) -> None:
+    """Wait for the child in short slices: Ctrl-C may be delivered to a reader thread, and a main
+    thread blocked in one long waitpid() would not run Python's SIGINT handler until the child ends."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        slice_s = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+        try:
+            child.wait(timeout=slice_s)
+            return
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def _terminate(child: subprocess.Popen) -> None:
