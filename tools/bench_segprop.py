@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""SegProp next to end-to-end backprop (`bp`) and layer-wise training (`lw`), one run each.
+
+  memory    peak training memory of ResNet-18 (ImageNet stem, 224x224, AdamW) by tensor accounting
+            (edgetrain.probes.TensorAccountant: weights, grads, optimizer state and every activation
+            alive at the step's peak) for bp and SegProp seg=2,3,4 with a global head of 3 blocks, the
+            paper's Table 1 layout; a SegProp cell is the largest stage. Without and with activation
+            checkpointing (bp with checkpointing is `mebp`).
+  snapcheck step time of SegProp's last stage (seg=4, GH=3: the deepest frozen prefix) on a stream in a
+            fixed order, with SnapCheck (every batch after the first epoch is a cache hit) and without.
+  flops     FLOPs per sample of e2e vs each SegProp stage (the paper's Table 5 accounting: a training
+            layer 3x its forward, 4x with checkpointing; a frozen one 1x; 0 when SnapCheck serves it)
+            for ResNet-18 and for a 20-layer decoder (3 body segments + GH 4, checkpointing on, as §4.6).
+  digits    the accuracy test in miniature, over several seeds: bp / lw / segprop on scikit-learn digits
+            with a small ResNet (tests/methods/test_segprop_digits.py's recipe).
+  fashion   the same comparison with ResNet-18 on Fashion-MNIST (Debian dataset-fashion-mnist; skipped
+            with a message when it is not installed). Long on a CPU: --fashion-train N limits the data.
+
+Usage:
+  .venv/bin/python tools/bench_segprop.py                    # memory, snapcheck, flops, digits
+  .venv/bin/python tools/bench_segprop.py --only memory --batch 16 --size 224
+  .venv/bin/python tools/bench_segprop.py --only fashion --fashion-epochs 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import edgetrain  # noqa: E402
+from edgetrain.data.batch import Batch  # noqa: E402
+from edgetrain.methods.segprop import run_schedule  # noqa: E402
+from edgetrain.methods.segprop.flops import schedule_flops  # noqa: E402
+from edgetrain.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from edgetrain.models.resnet import ResNetConfig, build_resnet, resnet18_imagenet_config  # noqa: E402
+from edgetrain.probes.tensors import TensorAccountant  # noqa: E402
+
+MIB = 2**20
+SECTIONS = ("memory", "snapcheck", "flops", "digits", "fashion")
+
+
+class MLPHead(nn.Module):
+    """The paper's classifier (appendix B.2.2): GAP, Linear C -> hidden, ReLU, Linear hidden -> classes."""
+
+    def __init__(self, channels: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Linear(channels, hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(self.pool(h).flatten(1))))
+
+
+def resnet18(in_channels: int = 3, classes: int = 1000) -> nn.Module:
+    return build_resnet(resnet18_imagenet_config(in_channels=in_channels, num_classes=classes))
+
+
+def images(batch_size: int, size: int, seed: int = 0, channels: int = 3, classes: int = 1000) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    return Batch(torch.rand(batch_size, channels, size, size, generator=generator),
+                 torch.randint(0, classes, (batch_size,), generator=generator), seed)
+
+
+# -- memory ----------------------------------------------------------------------------------------------
+
+def measured_step(learner: edgetrain.Learner, batch: Batch) -> dict[str, int]:
+    """Tensor bytes of one steady-state step (the optimizer state exists: one step ran before)."""
+    learner.step(batch)
+    model = learner.model
+    accountant = TensorAccountant(model)
+    accountant.register(learner.optimizer, batch.inputs, batch.targets)
+    with accountant:
+        learner.method.step(batch, learner.optimizer)
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    report = accountant.report()
+    return {"weights": weights, "total": report.peak_bytes, "label": report.peak_label}
+
+
+def segprop_peaks(segments: int, head_blocks: int, checkpoint: bool, balance: str,
+                  batch: Batch) -> tuple[list[dict[str, int]], tuple[int, ...]]:
+    peaks, split = [], ()
+    for stage in range(segments):
+        learner = edgetrain.Learner(resnet18(), method="segprop", optimizer="adamw", lr=1e-4, probe=False,
+                                    method_options={"head_blocks": head_blocks, "segments": segments,
+                                                    "checkpoint": checkpoint, "balance": balance,
+                                                    "example_input": batch.inputs[:2].clone()})
+        split = learner.method.plan.split
+        for _ in range(stage):
+            learner.method.advance_stage()
+        peaks.append(measured_step(learner, batch))
+        learner.method.finish()
+        print(f"    seg={segments} {balance} stage {stage} ckpt={checkpoint}: {peaks[-1]['total'] / MIB:,.0f} MiB "
+              f"(peak in {peaks[-1]['label']})", file=sys.stderr, flush=True)
+    return peaks, split
+
+
+def memory(args: argparse.Namespace) -> dict:
+    batch = images(args.batch, args.size)
+    print(f"\nPeak training memory, ResNet-18 (ImageNet stem) {args.size}x{args.size}, batch {args.batch}, AdamW "
+          f"(MiB by tensor accounting; x = ratio to bp with the same checkpointing; a SegProp row is its largest "
+          "stage, per-stage in brackets)")
+    rows, splits = {}, {}
+    for checkpoint in (False, True):
+        ref = measured_step(edgetrain.Learner(resnet18(), method="mebp" if checkpoint else "bp", optimizer="adamw",
+                                              lr=1e-4, probe=False), batch)
+        rows[("bp", checkpoint)] = [ref]
+        for balance in args.balance:
+            for segments in (2, 3, 4):
+                name = f"seg={segments}" + (", memory" if balance == "memory" else "")
+                rows[(name, checkpoint)], splits[name] = segprop_peaks(segments, 3, checkpoint, balance, batch)
+    weights = rows[("bp", False)][0]["weights"]
+    print(f"{'setting':<34}{'ckpt':>5}{'peak MiB':>10}{'x bp':>6}{'x bp no ckpt':>13}  split    per-stage MiB")
+    table = {}
+    for (name, checkpoint), cells in rows.items():
+        peak = max(c["total"] for c in cells)
+        ref = rows[("bp", checkpoint)][0]["total"]
+        base = rows[("bp", False)][0]["total"]
+        label = "Vanilla BP (E2E)" if name == "bp" else f"SegProp ({name}, GH=3)"
+        split = "" if name == "bp" else "/".join(map(str, splits[name]))
+        stages = "" if name == "bp" else "[" + ", ".join(f"{c['total'] / MIB:,.0f}" for c in cells) + "]"
+        print(f"{label:<34}{'on' if checkpoint else 'off':>5}{peak / MIB:>10,.0f}{peak / ref:>6.2f}"
+              f"{peak / base:>13.2f}  {split:<8} {stages}")
+        table[f"{name} ckpt={'on' if checkpoint else 'off'}"] = {"peak_mib": peak / MIB, "x_bp": peak / ref,
+                                                                  "x_bp_no_ckpt": peak / base, "split": split}
+    print(f"(weights + buffers: {weights / MIB:,.0f} MiB of every cell; split = blocks per body segment, the first "
+          "with the stem, 0 = the stem alone; 'memory' = balance='memory'. The paper's ResNet-101 Table 1 without "
+          "checkpointing: 1.00 / 0.76 / 0.68 / 0.65)")
+    return table
+
+
+# -- SnapCheck ---------------------------------------------------------------------------------------------
+
+class FixedBatches:
+    """A stream of `count` fixed batches repeated for ever (batch id = index % count)."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+        self.batches_per_epoch = len(batches)
+        self.shuffle = False
+
+    def __iter__(self):
+        index = 0
+        while True:
+            batch = self.batches[index % len(self.batches)]
+            yield Batch(batch.inputs, batch.targets, index)
+            index += 1
+
+
+def snapcheck(args: argparse.Namespace) -> dict:
+    """Both learners step in turn (without, with, without, ...) so that a busy machine slows both alike."""
+    batches = [images(args.batch, args.size, seed=i) for i in range(args.snap_batches)]
+    learners, streams, seconds = {}, {}, {False: [], True: []}
+    for cached in (False, True):
+        learner = edgetrain.Learner(resnet18(), method="segprop", optimizer="adamw", lr=1e-4, probe=False,
+                                    method_options={"head_blocks": 3, "segments": 4, "snapcheck": cached,
+                                                    "snapcheck_period": len(batches),
+                                                    "snapcheck_budget": "4GiB"})
+        for _ in range(learner.method.num_stages - 1):
+            learner.method.advance_stage()
+        learners[cached], streams[cached] = learner, iter(FixedBatches(batches))
+    for step in range(len(batches) * (1 + args.snap_epochs)):
+        for cached in (False, True):
+            stats = learners[cached].step(next(streams[cached]))
+            if step >= len(batches):   # the first epoch fills the cache
+                seconds[cached].append(stats.seconds)
+    timings = {cached: statistics.median(values) for cached, values in seconds.items()}
+    cache_stats = learners[True].method.snapcheck.stats()
+    for learner in learners.values():
+        learner.method.finish()
+    print(f"    SnapCheck {cache_stats}", file=sys.stderr)
+    print(f"\nSnapCheck, ResNet-18 {args.size}x{args.size} batch {args.batch}, last stage of seg=4, GH=3 (frozen: stem "
+          f"+ blocks 0-3), {len(batches)} batches in a fixed order, median step over {args.snap_epochs} epochs after "
+          "the first (runs interleaved):")
+    print(f"  without SnapCheck {timings[False]:.3f} s   with SnapCheck {timings[True]:.3f} s   "
+          f"speed-up {timings[False] / timings[True]:.2f}x")
+    return {"without_s": timings[False], "with_s": timings[True], "speedup": timings[False] / timings[True]}
+
+
+# -- FLOPs -------------------------------------------------------------------------------------------------
+
+def flops_table(title: str, build, inputs: torch.Tensor, plans: list[dict], checkpointing: bool) -> dict:
+    print(f"\n{title} (GFLOPs per sample; x = ratio to one e2e pass; "
+          f"{'checkpointing: training 4x forward' if checkpointing else 'training 3x forward'}, frozen 1x)")
+    print(f"{'':<4}{'stage':<30}{'active fwd':>11}{'frozen fwd':>11}{'total':>10}{'x e2e':>7}"
+          f"{'SnapCheck':>11}{'x e2e':>7}")
+    out = {}
+    for options in plans:
+        model = build()
+        method = edgetrain.methods.METHODS.get("segprop")(model, **options)
+        e2e, stages = schedule_flops(method, inputs, checkpointing=checkpointing)
+        name = ", ".join(f"{k}={v}" for k, v in options.items())
+        print(f"  {name} (split {'/'.join(map(str, method.plan.split))})")
+        print(f"{'':<4}{'e2e (1 pass)':<30}{'':>11}{'':>11}{e2e / 1e9:>10.2f}{1.0:>7.2f}")
+        for index, stage in enumerate(stages):
+            print(f"{'':<4}{f'stage {index}: {stage.name}':<30}{stage.active_forward / 1e9:>11.2f}"
+                  f"{stage.frozen_forward / 1e9:>11.2f}{stage.total / 1e9:>10.2f}{stage.total / e2e:>7.2f}"
+                  f"{stage.total_snapcheck / 1e9:>11.2f}{stage.total_snapcheck / e2e:>7.2f}")
+        total = sum(s.total for s in stages)
+        cached = sum(s.total_snapcheck for s in stages)
+        print(f"{'':<4}{'all stages':<30}{'':>22}{total / 1e9:>10.2f}{total / e2e:>7.2f}{cached / 1e9:>11.2f}"
+              f"{cached / e2e:>7.2f}")
+        out[name] = {"e2e": e2e, "stages": [s.total for s in stages], "total": total, "snapcheck_total": cached}
+        method.finish()
+    return out
+
+
+def flops(args: argparse.Namespace) -> dict:
+    resnet = flops_table("FLOPs per sample, ResNet-18 224x224", resnet18, torch.rand(2, 3, 224, 224),
+                         [{"head_blocks": 3, "segments": s} for s in (2, 3, 4)], checkpointing=False)
+    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=896, num_hidden_layers=20,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    decoder = flops_table("FLOPs per sequence of 512 tokens, 20-layer decoder (d=256, V=32000)",
+                          lambda: LlamaModel(config), torch.randint(0, 32000, (1, 512)),
+                          [{"head_blocks": 4, "segments": 3}], checkpointing=True)
+    return {"resnet18": resnet, "decoder": decoder}
+
+
+# -- accuracy ----------------------------------------------------------------------------------------------
+
+def digits(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "methods"))
+    from test_segprop_digits import RECIPE, train_digits
+
+    results = {m: [] for m in ("bp", "lw", "segprop")}
+    for seed in range(args.seeds):
+        for method in results:
+            started = time.perf_counter()
+            results[method].append(train_digits(method, seed=seed))
+            print(f"    digits seed {seed} {method}: {results[method][-1]:.4f} "
+                  f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+    print(f"\nDigits test accuracy ({RECIPE}), {args.seeds} seeds:")
+    print(f"{'method':<10}" + "".join(f"{'seed ' + str(s):>9}" for s in range(args.seeds)) + f"{'mean':>9}")
+    for method, accs in results.items():
+        print(f"{method:<10}" + "".join(f"{a:>9.4f}" for a in accs) + f"{statistics.mean(accs):>9.4f}")
+    return results
+
+
+def fashion(args: argparse.Namespace) -> dict | None:
+    from edgetrain.data import ArrayStream, load_fashion_mnist
+    from edgetrain.registry import EdgetrainError
+
+    try:
+        test_x, test_y = load_fashion_mnist("test", image=True)
+    except EdgetrainError as exc:
+        print(f"\nFashion-MNIST skipped: {exc}")
+        return None
+    test = [Batch(test_x[i:i + 500], test_y[i:i + 500]) for i in range(0, len(test_x), 500)]
+    out = {}
+    for method, options in (("bp", {}), ("lw", {"view": "resnet-paper", "head_blocks": 1, "segments": 4}),
+                            ("segprop", {"view": "resnet-paper", "head_blocks": 1, "segments": 4})):
+        model = build_resnet(ResNetConfig(num_classes=10, in_channels=1, stem="cifar"))
+        model.head = MLPHead(512, 512, 10)
+        train_x, train_y = load_fashion_mnist("train", image=True)
+        if args.fashion_train:
+            train_x, train_y = train_x[:args.fashion_train], train_y[:args.fashion_train]
+        stream = ArrayStream(train_x, train_y, batch_size=args.fashion_batch, shuffle=True, seed=0)
+        started = time.perf_counter()
+        result = run_schedule(model, stream, method, epochs_per_stage=args.fashion_epochs, optimizer="adamw",
+                              lr=3e-4, optimizer_options={"weight_decay": 0.01}, eval_batches=test, **options)
+        out[method] = result.final["accuracy"]
+        print(f"    fashion {method}: {out[method]:.4f} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    print(f"\nFashion-MNIST test accuracy, ResNet-18 (MLP head), {args.fashion_epochs} epochs per stage: "
+          + ", ".join(f"{m} {a:.4f}" for m, a in out.items()))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=SECTIONS, action="append")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--balance", nargs="+", default=["blocks", "memory"], choices=["blocks", "memory"],
+                        help="segmentations in the memory table: equal blocks (the paper's), balanced memory")
+    parser.add_argument("--snap-batches", type=int, default=4)
+    parser.add_argument("--snap-epochs", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--fashion-epochs", type=int, default=1)
+    parser.add_argument("--fashion-batch", type=int, default=128)
+    parser.add_argument("--fashion-train", type=int, default=0, help="train on the first N examples (0 = all)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sections = args.only or ["memory", "snapcheck", "flops", "digits"]
+    figures = {}
+    for section in SECTIONS:
+        if section in sections:
+            figures[section] = globals()[section](args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
