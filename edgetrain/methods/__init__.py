@@ -2,6 +2,8 @@
 from edgetrain.methods import bp, mezo  # noqa: F401
 from edgetrain.methods import mesp  # noqa: F401
 from edgetrain.methods import asyncfgd, fgd  # noqa: F401
+from edgetrain.methods import scpl  # noqa: F401
+from edgetrain.methods import segprop  # noqa: F401
 from edgetrain.methods.base import METHODS, TrainingMethod, trainable_parameters
 
 __all__ = ["METHODS", "TrainingMethod", "trainable_parameters"]

@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""SCPL next to `bp`: training throughput with 1 and 2 workers, and activation memory per worker.
+
+The model (`bench_model`): a VGG-style ConvNet on 3x8x8 inputs, eight conv stages of 128 channels
+(3x3, BatchNorm, ReLU, no pooling) and a Linear(8192, 10) head, so every stage but the first costs the
+same. SCPL's projection heads are A.1's Linear(8192, 512) - ReLU - Linear(512, 1024) on the flattened
+map; with its Adam update one head costs about two stages (measured: 3 stages + projection 113 ms,
+5 stages + classifier 121 ms per step of 32 on one thread), so the 2-component split [3, 5] balances
+the two workers.
+
+Throughput (paper Tables 2-3): input samples per second on synthetic batches of 32, one view (no
+augmentation, so every method sees the same samples per step), Adam. Each cell is a fresh process;
+thread counts are fixed and printed (torch.set_num_threads and OMP_NUM_THREADS):
+  bp        1 process, 1 thread               -- the reference (1.00x)
+  scpl      1 process, 1 thread, sequential   -- components one after another
+  scpl      2 workers x 1 thread (torchrun, gloo), one component each, pipelined
+  bp        1 process, 2 threads              -- the honest comparison: the same two cores, one process
+  scpl      2 workers x 1 thread, 2 micro-batches (A.5's SCPL + GPipe hybrid)
+The 1-thread single-process cells run as two identical copies at once and report the per-copy rate,
+so both sides of the comparison hold two runnable threads (on an idle 2-core machine that is the
+same as running alone; when other jobs share the cores it gives both sides the same share); their
+"alone" rate is listed too. Cells are repeated (--repeats) in interleaved order and the median is
+reported, with the machine's load average.
+
+Memory (4 components, split [2, 2, 2, 2]): bytes autograd saves for backward in one step (each storage
+once, weights excluded) and the tensor-accounting peak above the step's baseline (edgetrain.probes
+.tensors), for bp, for sequential scpl (one component's graph at a time) and for each of 4 pipeline
+workers (measured inside the workers).
+
+  .venv/bin/python tools/bench_scpl.py              # everything (a few minutes on 2 cores)
+  .venv/bin/python tools/bench_scpl.py --quick      # fewer steps and repeats
+  .venv/bin/python tools/bench_scpl.py --only memory   # or balance, throughput
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import edgetrain  # noqa: E402
+from edgetrain.data.batch import Batch  # noqa: E402
+from edgetrain.models.convnet import ConvNetConfig, build_convnet  # noqa: E402
+
+BATCH = 32
+MODEL_SPEC = "tools.bench_scpl:bench_model"
+SPLIT_2 = [3, 5]
+SPLIT_4 = [2, 2, 2, 2]
+MIB = 2**20
+
+
+def bench_model() -> torch.nn.Module:
+    return build_convnet(ConvNetConfig(input_shape=(3, 8, 8), channels=(128,) * 8, kernel_size=3, padding=1, pool=1,
+                                       batch_norm=True, hidden_sizes=(), num_classes=10, activation="relu", seed=0))
+
+
+def batches(model: torch.nn.Module, count: int) -> list[Batch]:
+    from edgetrain.distributed.scpl_pipeline import random_stream
+
+    stream = random_stream(model, BATCH, seed=0)
+    return [next(stream) for _ in range(count)]
+
+
+# -- one cell in this process -------------------------------------------------------------------
+
+def run_cell(method: str, threads: int, warmup: int, steps: int, split: list[int] | None) -> dict:
+    torch.set_num_threads(threads)
+    model = bench_model()
+    options = {"views": 1, "split": split} if method == "scpl" else {}
+    learner = edgetrain.Learner(model, method=method, optimizer="adam", lr=1e-3, probe=False, method_options=options)
+    data = batches(model, warmup + steps)
+    for batch in data[:warmup]:
+        learner.step(batch)
+    start = time.perf_counter()
+    for batch in data[warmup:]:
+        learner.step(batch)
+    seconds = time.perf_counter() - start
+    return {"samples_per_second": steps * BATCH / seconds, "threads": torch.get_num_threads()}
+
+
+def subprocess_cell(method: str, threads: int, warmup: int, steps: int, split: list[int] | None,
+                    copies: int = 1) -> dict:
+    """Run the cell in `copies` identical processes at once; their mean throughput."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    command = [sys.executable, __file__, "--cell", json.dumps({"method": method, "threads": threads,
+                                                               "warmup": warmup, "steps": steps, "split": split})]
+    running = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+               for _ in range(copies)]
+    results = []
+    for process in running:
+        stdout, stderr = process.communicate(timeout=900)
+        if process.returncode != 0:
+            raise RuntimeError(f"cell {method}/{threads} failed:\n{stderr[-3000:]}")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return {"samples_per_second": statistics.mean(r["samples_per_second"] for r in results),
+            "threads": results[0]["threads"]}
+
+
+def pipeline_cell(workers: int, warmup: int, steps: int, split: list[int], micro_batches: int = 1,
+                  memory: bool = False) -> dict:
+    from edgetrain.distributed.scpl_pipeline import PipelineConfig, launch
+
+    config = PipelineConfig(model=MODEL_SPEC, method="scpl", method_options={"views": 1, "split": split},
+                            data="random", batch_size=BATCH, steps=steps, warmup_steps=warmup, optimizer="adam",
+                            lr=1e-3, micro_batches=micro_batches, threads=1, device="cpu", memory=memory)
+    return launch(config, workers, timeout=900)
+
+
+# -- throughput ---------------------------------------------------------------------------------
+
+def throughput(repeats: int, warmup: int, steps: int) -> list[str]:
+    """Single-thread single-process cells run as two identical copies at once (per-copy throughput), so
+    they hold as many runnable threads as the two pipeline workers: on an idle 2-core machine each copy
+    has a core of its own, exactly like one process alone, and when other jobs share the cores both
+    sides get the same share of them. The copies share memory bandwidth, as the workers do. A column
+    gives the same cells alone, for reference."""
+    paired = {
+        "bp, 1 process x 1 thread": lambda: subprocess_cell("bp", 1, warmup, steps, None, copies=2),
+        "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell("scpl", 1, warmup, steps, SPLIT_2, copies=2),
+        "scpl pipelined, 2 workers x 1 thread": lambda: pipeline_cell(2, warmup, steps, SPLIT_2),
+        "scpl pipelined, 2 workers x 1 thread, 2 micro-batches": lambda: pipeline_cell(2, warmup, steps, SPLIT_2, 2),
+        "bp, 1 process x 2 threads": lambda: subprocess_cell("bp", 2, warmup, steps, None),
+    }
+    alone = {
+        "bp, 1 process x 1 thread": lambda: subprocess_cell("bp", 1, warmup, steps, None),
+        "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell("scpl", 1, warmup, steps, SPLIT_2),
+    }
+    results: dict[str, list[float]] = {name: [] for name in paired}
+    alone_results: dict[str, list[float]] = {name: [] for name in alone}
+    extra: dict[str, dict] = {}
+    loads = []
+    for _ in range(repeats):
+        for name, cell in [*paired.items(), *[(f"alone:{n}", c) for n, c in alone.items()]]:
+            loads.append(os.getloadavg()[0])
+            out = cell()
+            if name.startswith("alone:"):
+                alone_results[name[6:]].append(out["samples_per_second"])
+                continue
+            results[name].append(out["samples_per_second"])
+            if "workers" in out:
+                extra[name] = out
+    reference = statistics.median(results["bp, 1 process x 1 thread"])
+    lines = [f"Throughput: bench_model (8 conv stages of 128 channels on 8x8 maps), batch {BATCH}, Adam, one view; "
+             f"{steps} timed steps after {warmup} warm-up, median of {repeats} interleaved repeats; 1-thread "
+             "single-process cells run as two copies at once (see throughput()); load average during the run "
+             f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores", "",
+             "| configuration | samples/s | vs bp 1x1 | runs | alone |", "| --- | ---: | ---: | --- | ---: |"]
+    for name, values in results.items():
+        median = statistics.median(values)
+        runs = ", ".join(f"{v:.0f}" for v in values)
+        solo = f"{statistics.median(alone_results[name]):.0f}" if name in alone_results else ""
+        lines.append(f"| {name} | {median:,.0f} | {median / reference:.2f}x | {runs} | {solo} |")
+    pipe = extra.get("scpl pipelined, 2 workers x 1 thread")
+    if pipe:
+        lines.append("")
+        lines.append(f"split {pipe['split']}; last run's workers: " + "; ".join(
+            f"rank {w['rank']} busy {w['busy_seconds']:.2f} s, waiting {w['wait_seconds']:.2f} s"
+            for w in pipe["workers"]))
+    return lines
+
+
+# -- compute balance (CPU time, robust to other jobs on the cores) ----------------------------------
+
+def balance(steps: int = 6, warmup: int = 2) -> list[str]:
+    """One thread's CPU time per step for each component of the 2-component split (forward, local loss,
+    backward, its Adam step) and for bp: max(component) bounds the pipelined step, so bp / max is
+    the speedup two idle cores could give. Thread CPU time barely moves when other jobs share the cores."""
+    torch.set_num_threads(1)
+    model = bench_model()
+    learner = edgetrain.Learner(model, method="scpl", optimizer="adam", lr=1e-3, probe=False,
+                                method_options={"views": 1, "split": SPLIT_2})
+    components = learner.method.components
+    optimizers = [torch.optim.Adam(list(c.params.values()), lr=1e-3) for c in components]
+    data = batches(model, warmup + steps)
+    cpu = [0.0] * len(components)
+    for i, batch in enumerate(data):
+        h = batch.inputs
+        for k, component in enumerate(components):
+            start = time.thread_time()
+            out = component.encode(h)
+            component.local_loss(out, batch.targets).backward()
+            optimizers[k].step()
+            optimizers[k].zero_grad(set_to_none=True)
+            if i >= warmup:
+                cpu[k] += time.thread_time() - start
+            h = out.detach()
+    bp_model = bench_model()
+    bp = edgetrain.Learner(bp_model, method="bp", optimizer="adam", lr=1e-3, probe=False)
+    bp_cpu = 0.0
+    for i, batch in enumerate(data):
+        start = time.thread_time()
+        bp.step(batch)
+        if i >= warmup:
+            bp_cpu += time.thread_time() - start
+    per_step = [c / steps * 1000 for c in cpu]
+    bp_ms = bp_cpu / steps * 1000
+    return [f"Compute balance (one thread's CPU time per step of {BATCH}, mean of {steps} steps): "
+            + ", ".join(f"component {c.index} ({c.name}) {ms:.0f} ms" for c, ms in zip(components, per_step))
+            + f"; bp {bp_ms:.0f} ms; scpl sequential {sum(per_step):.0f} ms. Ideal 2-worker pipeline: "
+            f"bp / max(component) = {bp_ms / max(per_step):.2f}x bp, {sum(per_step) / max(per_step):.2f}x scpl sequential."]
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+def in_process_memory(method: str) -> dict:
+    from edgetrain.distributed.scpl_pipeline import SavedActivations
+    from edgetrain.probes.tensors import TensorAccountant
+
+    torch.set_num_threads(1)
+    model = bench_model()
+    options = {"views": 1, "split": SPLIT_4} if method == "scpl" else {}
+    learner = edgetrain.Learner(model, method=method, optimizer="adam", lr=1e-3, probe=False, method_options=options)
+    warm, batch = batches(model, 2)
+    learner.step(warm)  # optimizer state exists before the measured step
+    weights = list(learner.params.values())
+    saved_per_part = []
+    if method == "bp":
+        with SavedActivations(weights) as saved:
+            loss = torch.nn.functional.cross_entropy(model(batch.inputs), batch.targets)
+        saved_per_part.append(saved.bytes)
+        del loss
+    else:
+        h = batch.inputs
+        for component in learner.method.components:
+            with SavedActivations(weights) as saved:
+                out = component.encode(h)
+                loss = component.local_loss(out, batch.targets)
+            saved_per_part.append(saved.bytes)
+            h = out.detach()
+            del out, loss
+    learner.optimizer.zero_grad(set_to_none=True)
+    accountant = TensorAccountant(model)
+    accountant.register(learner.optimizer)
+    with accountant:
+        learner.step(batch)
+    return {"saved": saved_per_part, "peak": accountant.report().peak_above_baseline_bytes,
+            "parameters": sum(p.numel() for p in learner.params.values())}
+
+
+def memory() -> list[str]:
+    bp = in_process_memory("bp")
+    scpl = in_process_memory("scpl")
+    pipe = pipeline_cell(4, warmup=1, steps=1, split=SPLIT_4, memory=True)
+    bp_saved, bp_peak = bp["saved"][0], bp["peak"]
+    lines = [f"Memory: bench_model, batch {BATCH}, 4 components (split {SPLIT_4}); saved = bytes autograd keeps "
+             "for backward (weights excluded), peak = tensor accounting above the step's baseline "
+             "(activations, gradients, temporaries; weights and optimizer state are the baseline)", "",
+             "| run | saved activations | vs bp | peak above baseline | vs bp | trainable parameters |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |",
+             f"| bp, one process | {bp_saved / MIB:.1f} MiB | 1.00x | {bp_peak / MIB:.1f} MiB | 1.00x | "
+             f"{bp['parameters'] / 1e6:.2f} M |",
+             f"| scpl sequential, one process (largest component) | {max(scpl['saved']) / MIB:.1f} MiB | "
+             f"{max(scpl['saved']) / bp_saved:.2f}x | {scpl['peak'] / MIB:.1f} MiB | {scpl['peak'] / bp_peak:.2f}x | "
+             f"{scpl['parameters'] / 1e6:.2f} M |"]
+    for worker in pipe["workers"]:
+        saved = worker["memory"]["saved_activation_bytes"]
+        peak = worker["memory"]["tensor_peak_above_baseline_bytes"]
+        lines.append(f"| scpl pipeline worker {worker['rank']} ({worker['component']}) | {saved / MIB:.1f} MiB | "
+                     f"{saved / bp_saved:.2f}x | {peak / MIB:.1f} MiB | {peak / bp_peak:.2f}x | "
+                     f"{worker['parameters'] / 1e6:.2f} M |")
+    lines += ["", "A worker's peak above baseline includes its parameters' gradients and the optimizer's temporaries: "
+              "the projection head's Linear(dim, 512) is the largest tensor there (SCPL's affiliated parameters)."]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("balance", "throughput", "memory"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--cell", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.cell:
+        cell = json.loads(args.cell)
+        print(json.dumps(run_cell(cell["method"], cell["threads"], cell["warmup"], cell["steps"], cell["split"])))
+        return 0
+    repeats = args.repeats or (1 if args.quick else 3)
+    steps = args.steps or (8 if args.quick else 30)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores; every worker: torch.set_num_threads and "
+          "OMP_NUM_THREADS as stated\n")
+    if args.only in (None, "balance"):
+        print("\n".join(balance()), flush=True)
+        print()
+    if args.only in (None, "throughput"):
+        print("\n".join(throughput(repeats, warmup=3, steps=steps)), flush=True)
+        print()
+    if args.only in (None, "memory"):
+        print("\n".join(memory()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
