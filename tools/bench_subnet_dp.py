@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Subnetwork data parallelism (`subnet_dp`): systems cost and accuracy, measured in one run.
+
+  systems   N torchrun processes on localhost (gloo, OMP_NUM_THREADS=1 each), ResNet-18 (CIFAR stem,
+            GroupNorm(2)) on random 3x32x32 batches, for P/N in {1, .75, .5, .375} (N = 8: P = 8, 6,
+            4, 3), neuron and block masking, next to torch DDP. Per rank: parameters held, parameter +
+            gradient + optimizer bytes (counted), peak resident memory above the pre-model baseline
+            (measured: Linux VmHWM via edgetrain.probes.LinuxProbe, glibc mmap threshold pinned), bytes
+            handed to all_reduce per step and the bytes a ring all-reduce sends for them, median
+            seconds per step. Table cells are the mean over ranks (max in brackets where ranks differ).
+  accuracy  scikit-learn digits (or Fashion-MNIST with --dataset), the layout of the paper's Table 1:
+            NM and BM rows, P/N columns, at equal epochs and FLOP-matched (epochs x N/P), next to a
+            single-worker stochastic-depth baseline with survival P/N (same global batch, schedule and
+            epochs). The N workers are simulated in one process (method.SubnetDPSimulation; the tests
+            check it equals the torchrun engine step by step). Cells: the unified full model; BM also
+            with branches x P/N (stochastic depth's test rule) and each worker's own subnetwork.
+  alignment §5 / Fig. 1: cosine between a worker's masked gradient and the unmasked gradient on the
+            same batch (blocks.1.conv1, and all masked parameters), mean over workers, during training.
+
+  .venv/bin/python tools/bench_subnet_dp.py                    # everything (long on 2 cores)
+  .venv/bin/python tools/bench_subnet_dp.py --only systems --workers 8 --steps 8
+  .venv/bin/python tools/bench_subnet_dp.py --only accuracy --epochs 20 --seeds 0,1
+  .venv/bin/python tools/bench_subnet_dp.py --only accuracy --dataset fashion-mnist --train-limit 6000 --epochs 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from edgetrain.distributed.subnet.alignment import mean_alignment  # noqa: E402
+from edgetrain.distributed.subnet.run import launch_local, load_data  # noqa: E402
+from edgetrain.distributed.subnet.trainer import (SubnetDPConfig, train_simulated,  # noqa: E402
+                                                  train_stochastic_depth)
+from edgetrain.models.resnet_subnet import digits_subnet_config  # noqa: E402
+
+MIB = 2**20
+RATIOS = {1.0: 8, 0.75: 6, 0.5: 4, 0.375: 3}  # P/N -> P for N = 8
+
+
+# -- systems -----------------------------------------------------------------------------------------
+
+def systems(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.workers
+    base = ["--dataset", "random-cifar", "--train-limit", str(max(256, args.batch * n * (args.steps + 1))),
+            "--max-steps", str(args.steps), "--batch-size", str(args.batch), "--width", str(args.width),
+            "--memory", "--no-eval", "--lr", "0.05"]
+    runs: list[tuple[str, float, list[str]]] = [("torch DDP", 1.0, ["--ddp"]), ("subnet_dp P=N (DP)", 1.0, [])]
+    for ratio in sorted(args.ratios, reverse=True):
+        p = max(1, round(ratio * n))
+        if p == n:
+            continue
+        for masking in ("neuron", "block"):
+            runs.append((f"{masking} P={p}", p / n, ["--masking", masking, "--overlap", str(p)]))
+    rows = []
+    for label, ratio, extra in runs:
+        start = time.time()
+        results = launch_local(n, [*base, *extra], timeout=args.timeout)
+        rows.append(_summarise(label, ratio, results))
+        print(f"  {label}: {time.time() - start:.0f}s", file=sys.stderr, flush=True)
+    return {"workers": n, "batch_per_worker": args.batch, "width": args.width, "steps": args.steps, "rows": rows}
+
+
+def _summarise(label: str, ratio: float, results: list[dict[str, Any]]) -> dict[str, Any]:
+    def stat(values: list[float]) -> dict[str, float]:
+        return {"mean": statistics.fmean(values), "max": max(values), "min": min(values)}
+
+    held = [sum(r["state_bytes"].values()) for r in results]
+    param_opt = [r["state_bytes"]["parameters"] + r["state_bytes"]["optimizer"] for r in results]
+    full = results[0]["full_state_bytes"]
+    return {"label": label, "p_over_n": ratio,
+            "parameters": stat([r["worker_parameters"] for r in results]),
+            "full_parameters": results[0]["full_parameters"],
+            "param_opt_ratio": stat([b / (full["parameters"] + full["optimizer"]) for b in param_opt]),
+            "state_bytes": stat(held),
+            "peak_rss_above_baseline": stat([r["memory"].get("peak_above_baseline_bytes", float("nan"))
+                                             for r in results]),
+            "payload_bytes": stat([r["payload_bytes_per_step"] for r in results]),
+            "wire_bytes": stat([r["wire_bytes_per_step"] for r in results]),
+            "seconds_per_step": stat([r["seconds_per_step"] for r in results])}
+
+
+def systems_table(found: dict[str, Any]) -> str:
+    rows = found["rows"]
+    dp = next(r for r in rows if r["label"].startswith("subnet_dp P=N"))
+    head = (f"Systems: ResNet-18 (width {found['width']}, GroupNorm 2), N={found['workers']} gloo processes on "
+            f"localhost, batch {found['batch_per_worker']}/rank, {found['steps']} steps; mean over ranks [max]\n")
+    cols = ("run", "P/N", "params/rank", "param+opt x", "param+opt MiB", "peak RSS MiB (x DP)", "all-reduce MiB",
+            "ring-sent MiB", "s/step (x DP)")
+    lines = [head, "  ".join(f"{c:>18}" if i else f"{c:<20}" for i, c in enumerate(cols))]
+    for r in rows:
+        peak, seconds = r["peak_rss_above_baseline"], r["seconds_per_step"]
+        peak_x = peak["mean"] / dp["peak_rss_above_baseline"]["mean"]
+        seconds_x = seconds["mean"] / dp["seconds_per_step"]["mean"]
+        cells = [f"{r['p_over_n']:.3f}", f"{r['parameters']['mean'] / 1e6:.2f}M",
+                 f"{r['param_opt_ratio']['mean']:.3f} [{r['param_opt_ratio']['max']:.3f}]",
+                 f"{r['state_bytes']['mean'] / MIB:.1f}",
+                 f"{peak['mean'] / MIB:.1f} [{peak['max'] / MIB:.1f}] ({peak_x:.2f})",
+                 f"{r['payload_bytes']['mean'] / MIB:.1f}", f"{r['wire_bytes']['mean'] / MIB:.1f}",
+                 f"{seconds['mean']:.3f} ({seconds_x:.2f})"]
+        lines.append(f"{r['label']:<20}  " + "  ".join(f"{c:>18}" for c in cells))
+    return "\n".join(lines)
+
+
+# -- accuracy ----------------------------------------------------------------------------------------
+
+def accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    train, test = load_data(args.dataset, args.train_limit)
+    model_config = digits_subnet_config(in_channels=train[0].shape[1])
+    n, seeds = 8, args.seeds
+    cells: dict[str, Any] = {}
+
+    def config(masking: str, p: int, flop_matched: bool, seed: int) -> SubnetDPConfig:
+        return SubnetDPConfig(masking=masking, overlap=p, epochs=args.epochs, flop_matched=flop_matched,
+                              batch_size=args.accuracy_batch, lr=args.lr, mask_seed=seed, data_seed=seed,
+                              scheduler=args.scheduler)
+
+    def run(key: str, fn) -> None:
+        start = time.time()
+        values = [fn(seed) for seed in seeds]
+        cells[key] = {name: [v[name] for v in values] for name in values[0]}
+        shown = ", ".join(f"{k} {statistics.fmean(v):.4f}" for k, v in cells[key].items())
+        print(f"  {key}: {shown} ({time.time() - start:.0f}s)", file=sys.stderr, flush=True)
+
+    def subnet_cell(masking: str, p: int, flop_matched: bool):
+        def one(seed: int) -> dict[str, float]:
+            r = train_simulated(model_config, train, test, config(masking, p, flop_matched, seed), n)
+            return {"unified": r["test"]["accuracy"], "branch_scaled": r["test_branch_scaled"]["accuracy"],
+                    "subnetworks": r["test_subnetwork"]["accuracy"], "ensemble": r["test_ensemble"]["accuracy"],
+                    "steps": r["steps"]}
+        return one
+
+    def sd_cell(p: int, flop_matched: bool):
+        def one(seed: int) -> dict[str, float]:
+            r = train_stochastic_depth(model_config, train, test, config("block", p, flop_matched, seed), n)
+            return {"scaled": r["test"]["accuracy"], "unscaled": r["test_unscaled"]["accuracy"], "steps": r["steps"]}
+        return one
+
+    run("DP", subnet_cell("block", n, True))
+    for ratio in args.ratios:
+        p = RATIOS.get(ratio, max(1, round(ratio * n)))
+        if p == n:
+            continue
+        for flop_matched in (False, True):
+            tag = "flop" if flop_matched else "equal"
+            run(f"NM {ratio} {tag}", subnet_cell("neuron", p, flop_matched))
+            run(f"BM {ratio} {tag}", subnet_cell("block", p, flop_matched))
+            run(f"SD {ratio} {tag}", sd_cell(p, flop_matched))
+    return {"dataset": args.dataset, "train_size": len(train[0]), "test_size": len(test[0]), "epochs": args.epochs,
+            "seeds": seeds, "lr": args.lr, "scheduler": args.scheduler, "batch": args.accuracy_batch * n,
+            "cells": cells}
+
+
+def accuracy_table(found: dict[str, Any]) -> str:
+    cells = found["cells"]
+    ratios = sorted({float(k.split()[1]) for k in cells if k != "DP"}, reverse=True)
+
+    def fmt(values: list[float]) -> str:
+        mean = 100 * statistics.fmean(values)
+        return f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ±{100 * statistics.pstdev(values):.2f}"
+
+    out = [f"Accuracy (%): {found['dataset']} ({found['train_size']} train / {found['test_size']} test), ResNet "
+           f"(digits layout, width 8, GroupNorm 2), N=8 simulated workers, global batch {found['batch']}, lr "
+           f"{found['lr']} {found['scheduler']}, DP {found['epochs']} epochs; seeds {found['seeds']}"]
+    for tag, title in (("equal", "equal epochs"), ("flop", "FLOP-matched (epochs x N/P)")):
+        out.append(f"\n{title}")
+        out.append(f"{'row':<34}{'DP (1.0)':>14}" + "".join(f"{'P/N=' + str(r):>16}" for r in ratios))
+        dp = fmt(cells["DP"]["unified"])
+        rows = [("NM unified model", "NM", "unified"), ("BM unified model", "BM", "unified"),
+                ("BM unified, branches x P/N", "BM", "branch_scaled"), ("NM workers' subnetworks", "NM", "subnetworks"),
+                ("BM workers' subnetworks", "BM", "subnetworks"), ("SD 1 worker, test-scaled", "SD", "scaled"),
+                ("SD 1 worker, unscaled", "SD", "unscaled")]
+        for label, kind, field in rows:
+            line = f"{label:<34}{dp if kind != 'SD' else '':>14}"
+            for r in ratios:
+                cell = cells.get(f"{kind} {r} {tag}")
+                line += f"{fmt(cell[field]) if cell else '-':>16}"
+            out.append(line)
+    return "\n".join(out)
+
+
+# -- alignment ----------------------------------------------------------------------------------------
+
+def alignment(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    train, test = load_data(args.dataset, args.train_limit)
+    model_config = digits_subnet_config(in_channels=train[0].shape[1])
+    probe_x, probe_y = train[0][:128], train[1][:128]
+    curves: dict[str, list[tuple[int, float | None, float | None]]] = {}
+    for ratio in (0.75, 0.375):
+        p = RATIOS[ratio]
+        for masking in ("neuron", "block"):
+            points: list[tuple[int, float | None, float | None]] = []
+
+            def record(step: int, model, method, points=points) -> None:
+                if step % args.align_every == 0:
+                    values = mean_alignment(model, method.plan, probe_x, probe_y)
+                    points.append((step, values["blocks.1.conv1.weight"], values["all"]))
+
+            config = SubnetDPConfig(masking=masking, overlap=p, epochs=args.align_epochs, flop_matched=False,
+                                    batch_size=args.accuracy_batch, lr=args.lr)
+            train_simulated(model_config, train, None, config, 8, on_step=record)
+            curves[f"{'NM' if masking == 'neuron' else 'BM'} P/N={ratio}"] = points
+            print(f"  alignment {masking} {ratio}: {len(points)} points", file=sys.stderr, flush=True)
+    return {"every": args.align_every, "curves": curves}
+
+
+def alignment_table(found: dict[str, Any]) -> str:
+    curves = found["curves"]
+    out = ["Gradient alignment (§5): cos(masked, unmasked gradient) on a fixed batch of 128, mean over the 8 workers "
+           "(blocks.1.conv1 / all masked parameters)"]
+    steps = [s for s, _, _ in next(iter(curves.values()))]
+    out.append(f"{'step':>6}" + "".join(f"{k:>26}" for k in curves))
+    for i, step in enumerate(steps):
+        line = f"{step:>6}"
+        for points in curves.values():
+            if i < len(points):
+                _, layer, whole = points[i]
+                line += f"{(f'{layer:.3f}' if layer is not None else '-') + ' / ' + f'{whole:.3f}':>26}"
+        out.append(line)
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("systems", "accuracy", "alignment"), default=None)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4, help="systems: batch per rank")
+    parser.add_argument("--width", type=int, default=64, help="systems: ResNet-18 first-stage width")
+    parser.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[0.75, 0.5, 0.375])
+    parser.add_argument("--dataset", choices=("digits", "fashion-mnist"), default="digits")
+    parser.add_argument("--train-limit", type=int, default=None)
+    parser.add_argument("--epochs", type=float, default=20)
+    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
+    parser.add_argument("--lr", type=float, default=0.2)
+    parser.add_argument("--scheduler", choices=("cosine", "multistep"), default="cosine")
+    parser.add_argument("--accuracy-batch", type=int, default=8, help="accuracy: batch per simulated worker")
+    parser.add_argument("--align-epochs", type=float, default=10)
+    parser.add_argument("--align-every", type=int, default=25)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    found: dict[str, Any] = {}
+    for part, (run, table) in {"systems": (systems, systems_table), "accuracy": (accuracy, accuracy_table),
+                               "alignment": (alignment, alignment_table)}.items():
+        if args.only in (None, part):
+            found[part] = run(args)
+            print(table(found[part]) + "\n", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(found, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
