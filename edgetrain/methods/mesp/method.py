@@ -29,6 +29,7 @@ from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_for
 from edgetrain.methods.mesp.loss import chunked_lm_loss
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
 from edgetrain.models.lora import LoRALinear
+from edgetrain.methods.options import flag_option, positive_int_option
 from edgetrain.registry import EdgetrainError
 
 # Defaults measured on the Qwen2.5-0.5B shape (fp32, CPU): they keep every matmul large enough to
@@ -76,15 +77,11 @@ def _lora_parameter_names(model: nn.Module) -> set[str]:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EdgetrainError(f"mesp: {name} must be a positive integer, got {value!r}")
-    return value
+    return positive_int_option("mesp", name, value)
 
 
 def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise EdgetrainError(f"mesp: {name} must be True or False, got {value!r}")
-    return value
+    return flag_option("mesp", name, value)
 
 
 class StructuredBackprop:

@@ -25,6 +25,7 @@ from edgetrain.backends.mlx.methods.mesp_block import BlockWeights, block_backwa
 from edgetrain.backends.mlx.methods.mesp_ops import compute_dtype, rms_norm_backward, rms_norm_forward
 from edgetrain.backends.mlx.model import MLXDecoder
 from edgetrain.losses import IGNORE_INDEX
+from edgetrain.methods.options import flag_option, positive_int_option
 from edgetrain.registry import EdgetrainError
 
 # The torch method's defaults (edgetrain.methods.mesp.method), for the same bounded temporaries.
@@ -100,15 +101,11 @@ def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weig
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EdgetrainError(f"mesp: {name} must be a positive integer, got {value!r}")
-    return value
+    return positive_int_option("mesp", name, value)
 
 
 def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise EdgetrainError(f"mesp: {name} must be True or False, got {value!r}")
-    return value
+    return flag_option("mesp", name, value)
 
 
 class StructuredBackprop:
