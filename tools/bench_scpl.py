@@ -233,10 +233,10 @@ def in_process_memory(method: str) -> dict:
         for component in learner.method.components:
             with SavedActivations(weights) as saved:
                 out = component.encode(h)
-                loss = component.local_loss(out, batch.targets)
+                component.local_loss(out, batch.targets)  # counted as autograd saves, freed at once
             saved_per_part.append(saved.bytes)
             h = out.detach()
-            del out, loss
+            del out
     learner.optimizer.zero_grad(set_to_none=True)
     accountant = TensorAccountant(model)
     accountant.register(learner.optimizer)
