@@ -254,6 +254,8 @@ def fashion(args: argparse.Namespace) -> dict | None:
     except EdgetrainError as exc:
         print(f"\nFashion-MNIST skipped: {exc}")
         return None
+    if args.fashion_test:
+        test_x, test_y = test_x[:args.fashion_test], test_y[:args.fashion_test]
     test = [Batch(test_x[i:i + 500], test_y[i:i + 500]) for i in range(0, len(test_x), 500)]
     out = {}
     for method, options in (("bp", {}), ("lw", {"view": "resnet-paper", "head_blocks": 1, "segments": 4}),
@@ -269,7 +271,8 @@ def fashion(args: argparse.Namespace) -> dict | None:
                               lr=3e-4, optimizer_options={"weight_decay": 0.01}, eval_batches=test, **options)
         out[method] = result.final["accuracy"]
         print(f"    fashion {method}: {out[method]:.4f} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    print(f"\nFashion-MNIST test accuracy, ResNet-18 (MLP head), {args.fashion_epochs} epochs per stage: "
+    print(f"\nFashion-MNIST test accuracy, ResNet-18 (MLP head), {args.fashion_epochs} epochs per stage, "
+          f"{args.fashion_train or 60000} training / {len(test_x)} test images: "
           + ", ".join(f"{m} {a:.4f}" for m, a in out.items()))
     return out
 
@@ -287,6 +290,7 @@ def main() -> int:
     parser.add_argument("--fashion-epochs", type=int, default=1)
     parser.add_argument("--fashion-batch", type=int, default=128)
     parser.add_argument("--fashion-train", type=int, default=0, help="train on the first N examples (0 = all)")
+    parser.add_argument("--fashion-test", type=int, default=0, help="evaluate on the first N test images (0 = all)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()

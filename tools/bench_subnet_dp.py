@@ -163,7 +163,7 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
         p = RATIOS.get(ratio, max(1, round(ratio * n)))
         if p == n:
             continue
-        for flop_matched in (False, True):
+        for flop_matched in {"equal": (False,), "flop": (True,), "both": (False, True)}[args.matching]:
             tag = "flop" if flop_matched else "equal"
             if "NM" in rows:
                 run(f"NM {ratio} {tag}", subnet_cell("neuron", p, flop_matched))
@@ -190,6 +190,8 @@ def accuracy_table(found: dict[str, Any]) -> str:
            f"(digits layout, width 8, GroupNorm 2), N=8 simulated workers, global batch {found['batch']}, lr "
            f"{found['lr']} {found['scheduler']}, DP {found['epochs']} epochs; seeds {found['seeds']}"]
     for tag, title in (("equal", "equal epochs"), ("flop", "FLOP-matched (epochs x N/P)")):
+        if not any(k.endswith(tag) for k in cells):
+            continue
         out.append(f"\n{title}")
         out.append(f"{'row':<34}{'DP (1.0)':>14}" + "".join(f"{'P/N=' + str(r):>16}" for r in ratios))
         dp = fmt(cells["DP"]["unified"]) if "DP" in cells else "-"
@@ -269,6 +271,8 @@ def main() -> int:
                         help="accuracy: which rows to run (DP, NM, BM, SD)")
     parser.add_argument("--sd-lrs", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.1, 0.05, 0.02],
                         help="accuracy: the stochastic-depth baseline takes the best of these learning rates")
+    parser.add_argument("--matching", choices=("equal", "flop", "both"), default="both",
+                        help="accuracy: equal epochs, FLOP-matched epochs, or both")
     parser.add_argument("--accuracy-batch", type=int, default=8, help="accuracy: batch per simulated worker")
     parser.add_argument("--align-epochs", type=float, default=10)
     parser.add_argument("--align-every", type=int, default=25)
