@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         atomic_save_safetensors(dict(result.model.state_dict()), out)
         report = {"world_size": world, "steps": result.steps, "seconds": result.seconds, "plan": result.plan,
+                  "losses": result.losses,
                   "stages": [{"stage": s.stage, "name": s.name, "steps": s.steps, "mean_loss": s.mean_loss}
                              for s in result.stages]}
         out.with_suffix(".json").write_text(json.dumps(report, indent=1))

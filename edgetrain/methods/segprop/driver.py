@@ -54,6 +54,7 @@ class ScheduleResult:
     seconds: float = 0.0
     snapcheck: dict[str, int] | None = None
     plan: str = ""
+    losses: list[float] = field(default_factory=list)  # each step run by this call (rank mean under DDP)
 
 
 def evaluate_outputs(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
@@ -164,6 +165,7 @@ def run_schedule(model: nn.Module, stream: Any, method: str = "segprop", *, epoc
         name = trainer.stage.name if trainer is not None else method
         stats = learner.step(shard(batch) if shard is not None else batch)
         stage_losses.append(stats.loss)
+        result.losses.append(stats.loss)
         if checkpoint_dir is not None and checkpoint_every and write_checkpoints \
                 and learner.steps_done % checkpoint_every == 0:
             learner.save_rotating(checkpoint_dir)
