@@ -405,7 +405,8 @@ def train_simulated(model_config: SubnetResNetConfig, train: tuple[torch.Tensor,
         if on_step is not None:
             on_step(step, model, method)
     result = {"steps": steps, "epochs": steps * config.batch_size * num_workers / len(train[0]),
-              "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])), "model": model, "plan": method.plan}
+              "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])), "model": model, "plan": method.plan,
+              "losses": losses}  # per step: the mean of the N workers' losses
     if test is not None:
         result.update(evaluate_simulated(model, method.plan, test))
     return result
