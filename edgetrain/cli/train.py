@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,7 +31,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--memory-budget", default=None, help="e.g. 512MiB: refuse a first step over it")
     parser.add_argument("--target", default=None, help="device profile from targets/ (its memory budget)")
-    parser.add_argument("--save-adapter", default=None, help="write the LoRA adapter here at the end")
+    parser.add_argument("--save-adapter", default=None,
+                        help="write the LoRA adapter here at the end (torch: a .safetensors file; mlx: an "
+                             "mlx-lm adapter directory)")
     parser.add_argument("--quiet", action="store_true")
     return parser
 
@@ -50,17 +53,38 @@ def _method_options(pairs: list[str]) -> dict:
     return options
 
 
+def _torch_adapters() -> tuple[Callable, Callable]:
+    import edgetrain
+
+    return edgetrain.add_lora, edgetrain.save_lora
+
+
+def _mlx_adapters() -> tuple[Callable, Callable]:
+    from edgetrain.backends.mlx.adapters import save_mlx_lm_adapters
+    from edgetrain.backends.mlx.lora import add_lora
+
+    return add_lora, save_mlx_lm_adapters
+
+
+# (add_lora, save_adapter) of each framework: the models of one framework cannot take the other's adapters.
+ADAPTER_FUNCTIONS: dict[str, Callable[[], tuple[Callable, Callable]]] = {"torch": _torch_adapters,
+                                                                        "mlx": _mlx_adapters}
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
     import edgetrain
+    from edgetrain.backends import get_backend
     from edgetrain.data import make_stream
 
     torch.manual_seed(args.seed)
+    backend = get_backend(args.backend)
+    add_lora, save_adapter = ADAPTER_FUNCTIONS[backend.framework]()
     model = edgetrain.load_model(args.model, backend=args.backend)
     stream_options = {"batch_size": args.batch, "seed": args.seed}
     if getattr(model, "task", None) == "lm":
-        edgetrain.add_lora(model, rank=args.rank)
+        add_lora(model, rank=args.rank)
         stream_options.update(seq_len=args.seq, vocab_size=model.config.vocab_size)
         if args.files:
             stream_options["paths"] = args.files
@@ -77,6 +101,6 @@ def main(args: argparse.Namespace) -> int:
     if args.checkpoint_dir and learner.steps_done % max(args.checkpoint_every, 1):
         learner.save_rotating(args.checkpoint_dir)
     if args.save_adapter:
-        edgetrain.save_lora(model, args.save_adapter)
+        save_adapter(model, args.save_adapter)
     print(json.dumps({"steps_done": learner.steps_done, "stream_position": learner.stream_position}))
     return 0

@@ -41,3 +41,28 @@ def test_profile_record_has_the_profilers_fields(method):
     assert record["blas"] == blas_in_use()
     if method == "mesp":
         assert record["grad_max_rel_err"] < 1e-5 and record["grad_cosine"] > 0.999999
+
+
+def _train_cli(tmp_path: Path, steps: int, checkpoint_dir: Path, adapter: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "edgetrain.cli", "train", "--backend", "mlx", "--method", "mesp",
+                             "--seq", "32", "--batch", "2", "--steps", str(steps), "--checkpoint-every", "2",
+                             "--checkpoint-dir", str(checkpoint_dir), "--save-adapter", str(adapter), "--quiet"],
+                            capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["steps_done"] == steps
+
+
+def test_train_cli_on_mlx_resumes_exactly_and_writes_an_mlx_lm_adapter(tmp_path):
+    """`edgetrain train --backend mlx`: the MLX LoRA functions, not torch's, attach and save the adapter;
+    a run stopped after 2 steps and started again equals an uninterrupted 4-step run."""
+    from edgetrain.backends.mlx.adapters import read_mlx_lm_adapters
+
+    _train_cli(tmp_path, 4, tmp_path / "straight", tmp_path / "straight-adapter")
+    _train_cli(tmp_path, 2, tmp_path / "resumed", tmp_path / "resumed-adapter")
+    _train_cli(tmp_path, 4, tmp_path / "resumed", tmp_path / "resumed-adapter")
+    _, _, straight = read_mlx_lm_adapters(tmp_path / "straight-adapter")
+    _, _, resumed = read_mlx_lm_adapters(tmp_path / "resumed-adapter")
+    assert set(straight) == set(resumed) and straight
+    for key, array in straight.items():
+        assert (array == resumed[key]).all(), key
+    assert any((array != 0).any() for key, array in straight.items() if "lora_b" in key)  # B starts at 0: it trained
