@@ -180,6 +180,36 @@ def test_finished_model_has_no_adapters_and_runs_the_assembled_blocks():
     x = torch.rand(5, 1, 8, 8)
     assert torch.equal(model(x), run_blocks(model, x))
     assert torch.equal(model(x), unit_view(model, "resnet-paper").forward(x))
+    # Nothing else keeps the adapters alive: the optimizer and the learner's parameter list drop them.
+    learner, own = result.learner, {id(p) for p in model.parameters()}
+    assert {id(p) for g in learner.optimizer.param_groups for p in g["params"]} <= own
+    assert {id(p) for p in learner.optimizer.state} <= own
+    assert not any(n.startswith("stage_adapters") for n in learner.params)
+
+
+def test_unknown_method_options_are_named():
+    with pytest.raises(EdgetrainError, match="unknown method option.*segmnts"):
+        edgetrain.Learner(digits_resnet(), method="segprop", probe=False, method_options={"segmnts": 3})
+
+
+@pytest.mark.parametrize("name", ["segprop", "lw"])
+def test_only_the_active_path_is_handed_to_the_distributed_wrapper(name):
+    """What DistributedDataParallel would wrap (the wrap_active hook) holds exactly the stage's
+    trainable parameters: the active segment, its adapter or auxiliary classifier, the head."""
+    model = digits_resnet(blocks=(2, 1, 1))
+    learner = edgetrain.Learner(model, method=name, optimizer="sgd", lr=1e-2, probe=False,
+                                method_options={"head_blocks": 1, "segments": 3, "steps_per_stage": 1})
+    wrapped = []
+    learner.method.wrap_active = lambda path: wrapped.append(path) or path
+    for batch in digits_batches(learner.method.num_stages):
+        learner.step(batch)
+    assert len(wrapped) == learner.method.num_stages
+    for stage, path in zip(learner.method.stages, wrapped):
+        got = {id(p) for p in path.parameters()}
+        expected = learner.method._body_modules(stage) + learner.method._head_modules(stage)
+        assert got == {id(p) for m in expected for p in m.parameters()}, f"stage {stage.index}"
+        committed = [learner.method.view.embed, *learner.method.view.units[:stage.start]] if stage.index else []
+        assert not got & {id(p) for m in committed for p in m.parameters()}
 
 
 # -- SnapCheck -------------------------------------------------------------------------------------------
@@ -236,6 +266,27 @@ def test_snapcheck_training_is_bit_identical_to_recomputing_the_prefix(method, b
     assert stats[1]["puts"] == later_stages * per_epoch
     if budget == 0:
         assert stats[1]["spills"] == stats[1]["puts"] and stats[1]["memory_bytes"] == 0
+
+
+def test_snapcheck_recomputes_after_the_frozen_prefix_changes():
+    """An in-place write to a committed weight (a checkpoint load, a manual edit) bumps its version
+    counter: the cached activations of that depth are stale and the prefix runs again."""
+    model = digits_resnet(blocks=(2, 1, 1))
+    learner = edgetrain.Learner(model, method="segprop", optimizer="sgd", lr=1e-2, probe=False,
+                                method_options={"head_blocks": 1, "segments": 2, "steps_per_stage": 1,
+                                                "snapcheck": True})
+    method, batch = learner.method, digits_batches(1)[0]
+    learner.step(batch)
+    assert method.stage_index == 1
+    first = method.frozen_state(batch)
+    assert torch.equal(method.frozen_state(batch), first) and method.snapcheck.stats()["hits"] == 1
+    with torch.no_grad():
+        model.embed.conv.weight.mul_(0.5)
+    again = method.frozen_state(batch)
+    assert method.snapcheck.stats()["stale"] == 1 and not torch.equal(again, first)
+    with torch.no_grad():
+        assert torch.equal(again, method.view.run(method.view.embed(batch.inputs), 0, method.stage.start))
+    method.finish()
 
 
 def test_snapcheck_is_off_when_the_prefix_shares_a_trainable_parameter_with_the_head(capsys):

@@ -15,19 +15,34 @@ and checkpoint/resume.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
 
 from edgetrain.methods.base import METHODS
 from edgetrain.methods.segprop.trainer import StagedTrainer
+from edgetrain.registry import EdgetrainError
+
+OPTIONS = tuple(name for name in inspect.signature(StagedTrainer.__init__).parameters
+                if name not in ("self", "name", "model"))
+
+
+def _check_options(name: str, options: dict[str, Any]) -> None:
+    # A misspelt option would otherwise be a bare TypeError from the constructor.
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise EdgetrainError(f"{name}: unknown method option(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(OPTIONS)}")
 
 
 def segprop(model: nn.Module, **options: Any) -> StagedTrainer:
+    _check_options("segprop", options)
     return StagedTrainer("segprop", model, **options)
 
 
 def layer_wise(model: nn.Module, **options: Any) -> StagedTrainer:
+    _check_options("lw", options)
     return StagedTrainer("lw", model, **options)
 
 

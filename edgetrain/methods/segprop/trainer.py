@@ -567,10 +567,13 @@ class StagedTrainer:
         returns the plain model (its forward is the assembled blocks). Training ends here."""
         if self.closed:
             return self.model
-        adapter_params = list(self.adapters.parameters())
+        adapter_ids = {id(p) for p in self.adapters.parameters()}
         if self._optimizer is not None:
-            for param in adapter_params:
-                self._optimizer.state.pop(param, None)
+            # Out of the optimizer too (state and param groups), or it would keep the adapters alive.
+            for param in [p for p in self._optimizer.state if id(p) in adapter_ids]:
+                del self._optimizer.state[param]
+            for group in self._optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in adapter_ids]
         for module in [self.view.embed, *self.view.units, self.view.head]:
             unpin_eval(module)
         if hasattr(self.model, ADAPTERS_ATTRIBUTE):
