@@ -15,8 +15,7 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,11 +26,9 @@ from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import set_parameters, trainable_parameters
 from edgetrain.backends.mlx.methods import MLX_METHODS, lm_loss
 from edgetrain.backends.mlx.optim import FlatOptimizer
-from edgetrain.checkpoint import atomic_save_safetensors, load_latest_good, load_safetensors_checked, save_rotating
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
-from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe, format_progress,
-                               parse_bytes)
+from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe, parse_bytes)
 from edgetrain.methods.base import NonFiniteError, TrainingError
 from edgetrain.registry import EdgetrainError
 
@@ -79,8 +76,9 @@ def _unflatten_state(flat: dict[str, mx.array]) -> dict:
 class MLXLearner(Learner):
     """Same interface as edgetrain.Learner (step, compute_gradients, evaluate, save/load,
     save_rotating/resume, fit), for MLX models; `backend` must name an MLX backend ("mlx").
-    edgetrain.Learner(model, backend="mlx", ...) constructs one. Every method is its own: only the
-    interface (and isinstance) is shared with the torch Learner."""
+    edgetrain.Learner(model, backend="mlx", ...) constructs one. Stepping, evaluation and what a
+    checkpoint holds (`_checkpoint_payload` / `_restore`) are MLX's own; the stream loop (`fit`) and the
+    checkpoint files (`save`, `load`, `save_rotating`, `resume`) are Learner's, through those hooks."""
 
     def __init__(self, model: nn.Module, method: str = "bp", backend: str = "mlx",
                  optimizer: str | Any = "sgd", lr: float = 1e-3, *,
@@ -231,6 +229,8 @@ class MLXLearner(Learner):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, str]]:
+        # No RNG state: each step reseeds MLX's generator from (seed, step), so a resumed run draws the
+        # same. Frozen base weights are not written: they come from the base model.
         tensors = {f"param/{name}": _as_torch(p) for name, p in self.params.items()}
         tensors.update({f"optimizer/{name}": _as_torch(value)
                         for name, value in _flatten_state(self.optimizer.optimizer.state).items()})
@@ -238,30 +238,6 @@ class MLXLearner(Learner):
                     "state": json.dumps({"steps_done": self.steps_done, "stream_position": self.stream_position,
                                          "method": self.method.state_dict()})}
         return tensors, metadata
-
-    def save(self, path: str | Path) -> Path:
-        """Atomically write trainable weights, optimizer state, method state and counters (no RNG
-        state: each step reseeds MLX's generator from (seed, step), so a resumed run draws the same).
-        Frozen base weights are not written: they come from the base model."""
-        tensors, metadata = self._checkpoint_payload()
-        return atomic_save_safetensors(tensors, path, metadata)
-
-    def load(self, path: str | Path) -> "MLXLearner":
-        tensors, metadata = load_safetensors_checked(path)
-        self._restore(tensors, metadata, str(path))
-        return self
-
-    def save_rotating(self, directory: str | Path, keep: int = 2) -> Path:
-        tensors, metadata = self._checkpoint_payload()
-        return save_rotating(tensors, metadata, directory, self.steps_done, keep=keep)
-
-    def resume(self, directory: str | Path) -> Path | None:
-        """Load the newest good checkpoint in `directory` (None when there is none yet)."""
-        if not Path(directory).is_dir() or not any(Path(directory).glob("step-*.safetensors")):
-            return None
-        path, tensors, metadata = load_latest_good(directory, warn=lambda m: print(m, file=sys.stderr))
-        self._restore(tensors, metadata, str(path))
-        return path
 
     def _restore(self, tensors: dict[str, Any], metadata: dict[str, str], source: str) -> None:
         if metadata.get("format") != CHECKPOINT_FORMAT:
@@ -289,35 +265,3 @@ class MLXLearner(Learner):
         self.steps_done = int(state["steps_done"])
         self.stream_position = int(state["stream_position"])
         mx.eval(self.model.trainable_parameters(), self.optimizer.optimizer.state)
-
-    # -- a stream ------------------------------------------------------------------------------
-    def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
-            eval_batches: Callable[[], Iterable[Batch]] | None = None, checkpoint_every: int = 0,
-            checkpoint_dir: str | Path | None = None, callbacks: Iterable[Callable] = (),
-            progress: bool = True, log_every: int = 10) -> list[StepStats]:
-        """Drive `stream` until `max_steps` steps are done in total (resumed steps count); as Learner.fit."""
-        if checkpoint_every and checkpoint_dir is None:
-            raise EdgetrainError("fit: checkpoint_every needs a checkpoint_dir")
-        if eval_every and eval_batches is None:
-            raise EdgetrainError("fit: eval_every needs eval_batches")
-        history: list[StepStats] = []
-        iterator: Iterator[Batch] = iter(stream)
-        while self.steps_done < max_steps:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            stats = self.step(batch)
-            history.append(stats)
-            for callback in callbacks:
-                callback(self, stats)
-            if progress and (stats.step % log_every == 0 or stats.step == max_steps):
-                print(format_progress(stats, max_steps), file=sys.stderr, flush=True)
-            if eval_every and stats.step % eval_every == 0:
-                metrics = self.evaluate(eval_batches())
-                if progress:
-                    print(f"  eval at step {stats.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
-                          file=sys.stderr, flush=True)
-            if checkpoint_every and stats.step % checkpoint_every == 0:
-                self.save_rotating(checkpoint_dir)
-        return history
