@@ -11,8 +11,8 @@ from torch import nn
 import edgetrain
 from edgetrain.data import digits_stream
 from edgetrain.data.batch import Batch
-from edgetrain.methods.segprop import (ConvAdapter, SnapCheck, even_split, is_pinned, plan_lw, plan_segprop,
-                                       run_schedule, unit_view)
+from edgetrain.methods.segprop import (ConvAdapter, LinearAdapter, SnapCheck, even_split, is_pinned,
+                                       make_adapter, plan_lw, plan_segprop, run_schedule, unit_view)
 from edgetrain.methods.segprop.flops import schedule_flops
 from edgetrain.methods.segprop.plan import balanced_split
 from edgetrain.methods.segprop.trainer import cosine_multiplier
@@ -413,6 +413,18 @@ def test_vit_stages_and_identity_adapters():
                           steps_per_stage=2, lr=1e-3, head_blocks=2, segments=2, snapcheck=True, checkpoint=True)
     assert result.steps == 4 and result.snapcheck["puts"] == 2
     assert not any("stage_adapters" in n for n, _ in model.named_parameters())
+
+
+def test_transformer_states_get_a_linear_adapter_and_matching_shapes_none():
+    """[B, T, d] states: a linear map when the width differs, the identity (no module) when it matches;
+    an adapter that cannot exist is refused by name."""
+    adapter = make_adapter(torch.Size([2, 5, 16]), torch.Size([2, 5, 24]))
+    assert isinstance(adapter, LinearAdapter) and adapter(torch.rand(3, 5, 16)).shape == (3, 5, 24)
+    assert make_adapter(torch.Size([2, 5, 16]), torch.Size([7, 5, 16])) is None
+    with pytest.raises(EdgetrainError, match="identity"):
+        make_adapter(torch.Size([2, 5, 16]), torch.Size([2, 5, 24]), kind="identity")
+    with pytest.raises(EdgetrainError, match="upsamples"):
+        make_adapter(torch.Size([2, 8, 4, 4]), torch.Size([2, 8, 8, 8]))
 
 
 def test_lw_auxiliary_classifiers_and_head_stage():
