@@ -19,8 +19,9 @@
 
   .venv/bin/python tools/bench_subnet_dp.py                    # everything (long on 2 cores)
   .venv/bin/python tools/bench_subnet_dp.py --only systems --workers 8 --steps 8
-  .venv/bin/python tools/bench_subnet_dp.py --only accuracy --epochs 20 --seeds 0,1
-  .venv/bin/python tools/bench_subnet_dp.py --only accuracy --dataset fashion-mnist --train-limit 6000 --epochs 3
+  .venv/bin/python tools/bench_subnet_dp.py --only accuracy --epochs 10
+  .venv/bin/python tools/bench_subnet_dp.py --only accuracy --dataset fashion-mnist --train-limit 2048 \
+      --test-limit 2000 --epochs 1.5 --matching flop
 """
 from __future__ import annotations
 
@@ -117,6 +118,8 @@ def systems_table(found: dict[str, Any]) -> str:
 def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     train, test = load_data(args.dataset, args.train_limit)
+    if args.test_limit is not None:
+        test = (test[0][:args.test_limit], test[1][:args.test_limit])
     model_config = digits_subnet_config(in_channels=train[0].shape[1])
     n, seeds = 8, args.seeds
     cells: dict[str, Any] = {}
@@ -142,9 +145,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
         return one
 
     def sd_cell(p: int, flop_matched: bool):
-        # Stochastic depth on one worker is fragile at the subnetwork runs' lr (0.2 collapses it to chance
-        # on digits at survival 0.5), so it gets the best of a small lr sweep, chosen on the test set:
-        # a generous baseline.
+        # Stochastic depth on one worker is more fragile than the subnetwork runs at the same lr, so it
+        # gets the best of a small lr sweep, chosen on the test set: a generous baseline.
         def one(seed: int) -> dict[str, float]:
             best: dict[str, float] = {}
             for lr in args.sd_lrs:
@@ -263,13 +265,16 @@ def main() -> int:
     parser.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[0.75, 0.5, 0.375])
     parser.add_argument("--dataset", choices=("digits", "fashion-mnist"), default="digits")
     parser.add_argument("--train-limit", type=int, default=None)
-    parser.add_argument("--epochs", type=float, default=20)
+    parser.add_argument("--test-limit", type=int, default=None, help="accuracy: evaluate on the first K test examples")
+    parser.add_argument("--epochs", type=float, default=10)
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
-    parser.add_argument("--lr", type=float, default=0.2)
+    # The paper's eta_max = 0.2 is for a global batch of 512; ours is 8 x 8 = 64, and 0.2 there collapses
+    # DP on digits to chance at 10 epochs (0.05: 98.9%), hence 0.05 (linear scaling gives 0.025).
+    parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--scheduler", choices=("cosine", "multistep"), default="cosine")
     parser.add_argument("--rows", type=lambda s: s.split(","), default=["DP", "NM", "BM", "SD"],
                         help="accuracy: which rows to run (DP, NM, BM, SD)")
-    parser.add_argument("--sd-lrs", type=lambda s: [float(x) for x in s.split(",")], default=[0.2, 0.1, 0.05, 0.02],
+    parser.add_argument("--sd-lrs", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.02],
                         help="accuracy: the stochastic-depth baseline takes the best of these learning rates")
     parser.add_argument("--matching", choices=("equal", "flop", "both"), default="both",
                         help="accuracy: equal epochs, FLOP-matched epochs, or both")

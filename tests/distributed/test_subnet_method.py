@@ -3,6 +3,10 @@ the §5 alignment diagnostic, and a quick convergence check on digits."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from edgetrain.distributed.subnet.trainer import (SubnetDPConfig, epochs_to_run,
                                                   train_simulated, train_stochastic_depth)
 from edgetrain.methods.base import METHODS, TrainingError
 from edgetrain.models.resnet_subnet import build_subnet_resnet, digits_subnet_config
+from edgetrain.registry import EdgetrainError
 
 
 @pytest.fixture
@@ -45,6 +50,33 @@ def test_registered_and_driven_by_the_learner():
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.dim() > 1)
     with pytest.raises(TrainingError, match="divisible by N"):
         learner.step(_batch(6))
+
+
+def test_reachable_by_name_from_a_plain_import_edgetrain():
+    """`import edgetrain` alone registers subnet_dp (and the subnet ResNet presets): a fresh interpreter
+    that never imports edgetrain.distributed.subnet builds a Learner with method="subnet_dp"."""
+    code = ("import edgetrain\n"
+            "from edgetrain.methods import METHODS\n"
+            "assert 'subnet_dp' in METHODS, METHODS.names()\n"
+            "model = edgetrain.load_model('resnet-digits-subnet')\n"
+            "learner = edgetrain.Learner(model, method='subnet_dp', lr=0.05, probe=False,\n"
+            "                            method_options={'num_workers': 2, 'overlap': 1, 'masking': 'block'})\n"
+            "print(type(learner.method).__name__)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "SubnetDPSimulation"
+
+
+@pytest.mark.parametrize("options,match", [({"num_workers": 0}, "num_workers must be a positive integer"),
+                                           ({"overlap": 2.0}, "overlap must be a positive integer"),
+                                           ({"num_workers": 2, "overlap": 3}, "1 <= P <= N"),
+                                           ({"masking": "layer"}, "unknown masking"),
+                                           ({"mask_seed": "a"}, "mask_seed must be an integer")])
+def test_bad_options_are_refused_with_the_reason(options, match):
+    model = build_subnet_resnet(digits_subnet_config())
+    with pytest.raises(EdgetrainError, match=match):
+        edgetrain.Learner(model, method="subnet_dp", lr=0.05, probe=False, method_options=options)
 
 
 def test_p_equal_n_is_full_batch_gradient_descent():

@@ -23,6 +23,7 @@ from edgetrain.distributed.subnet.masks import assign_masks
 from edgetrain.distributed.subnet.subnetwork import masked_forward
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, TrainingError, apply_gradients, trainable_parameters
+from edgetrain.methods.options import positive_int_option
 
 
 class SubnetDPSimulation:
@@ -30,6 +31,10 @@ class SubnetDPSimulation:
 
     def __init__(self, model: nn.Module, num_workers: int = 4, overlap: int = 2, masking: str = "block",
                  mask_seed: int = 0) -> None:
+        for name, value in (("num_workers", num_workers), ("overlap", overlap)):
+            positive_int_option("subnet_dp", name, value)
+        if isinstance(mask_seed, bool) or not isinstance(mask_seed, int):
+            raise TrainingError(f"subnet_dp: mask_seed must be an integer, got {mask_seed!r}")
         self.model = model
         self.options = {"num_workers": num_workers, "overlap": overlap, "masking": masking, "mask_seed": mask_seed}
         self.plan = assign_masks(model, masking, num_workers, overlap, mask_seed)
