@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
 """SCPL next to `bp`: training throughput with 1 and 2 workers, and activation memory per worker.
 
-The model (`bench_model`): a VGG-style ConvNet on 3x8x8 inputs, eight conv stages of 128 channels
-(3x3, BatchNorm, ReLU, no pooling) and a Linear(8192, 10) head, so every stage but the first costs the
-same. SCPL's projection heads are A.1's Linear(8192, 512) - ReLU - Linear(512, 1024) on the flattened
-map; with its Adam update one head costs about two stages (measured: 3 stages + projection 113 ms,
-5 stages + classifier 121 ms per step of 32 on one thread), so the 2-component split [3, 5] balances
-the two workers.
+Two workloads (`WORKLOADS`), each with a 2-component split that balances the two workers:
+  transformer  the paper's Table 2 setting (SCPL 2 GPUs: 1.32-1.43x bp): a Transformer-encoder text
+               classifier (`text-transformer`, dim 128, 8 blocks, 4 heads) on windows of 64 tokens, the
+               identity projection head of appendix A.1 for text, no augmentation. Split [embed + 4 blocks |
+               4 blocks + head].
+  convnet      the Table 3 setting (VGG, paper 0.82-1.24x at 2 GPUs): a VGG-style ConvNet on 3x8x8 inputs,
+               eight conv stages of 128 channels (3x3, BatchNorm, ReLU, no pooling), a Linear(8192, 10) head
+               and A.1's Linear(8192, 512) - ReLU - Linear(512, 1024) projection head. That head and its
+               Adam update cost about as much as four conv stages at batch 32 (the paper's "affiliated
+               parameters"), so the split is [3 stages + projection | 5 stages + classifier].
+`balance` prints each component's CPU time per step next to bp's: bp / max(component) is the speed-up two
+idle cores could give, and thread CPU time barely moves when other jobs share the cores.
 
-Throughput (paper Tables 2-3): input samples per second on synthetic batches of 32, one view (no
-augmentation, so every method sees the same samples per step), Adam. Each cell is a fresh process;
-thread counts are fixed and printed (torch.set_num_threads and OMP_NUM_THREADS):
+Throughput (paper Tables 2-3): input samples per second on synthetic batches of 32, one view (so every
+method sees the same samples per step), Adam. Each cell is a fresh process; thread counts are fixed and
+printed (torch.set_num_threads and OMP_NUM_THREADS):
   bp        1 process, 1 thread               -- the reference (1.00x)
   scpl      1 process, 1 thread, sequential   -- components one after another
   scpl      2 workers x 1 thread (torchrun, gloo), one component each, pipelined
@@ -22,14 +28,14 @@ same as running alone; when other jobs share the cores it gives both sides the s
 "alone" rate is listed too. Cells are repeated (--repeats) in interleaved order and the median is
 reported, with the machine's load average.
 
-Memory (4 components, split [2, 2, 2, 2]): bytes autograd saves for backward in one step (each storage
-once, weights excluded) and the tensor-accounting peak above the step's baseline (edgetrain.probes
-.tensors), for bp, for sequential scpl (one component's graph at a time) and for each of 4 pipeline
-workers (measured inside the workers).
+Memory (convnet, 4 components, split [2, 2, 2, 2]): bytes autograd saves for backward in one step (each
+storage once, weights excluded) and the tensor-accounting peak above the step's baseline
+(edgetrain.probes.tensors), for bp, for sequential scpl (one component's graph at a time) and for each
+of 4 pipeline workers (measured inside the workers).
 
-  .venv/bin/python tools/bench_scpl.py              # everything (a few minutes on 2 cores)
+  .venv/bin/python tools/bench_scpl.py              # everything, both workloads (about 15 min on 2 idle cores)
   .venv/bin/python tools/bench_scpl.py --quick      # fewer steps and repeats
-  .venv/bin/python tools/bench_scpl.py --only memory   # or balance, throughput
+  .venv/bin/python tools/bench_scpl.py --only throughput --workloads transformer   # or balance, memory
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,10 +57,9 @@ import torch  # noqa: E402
 import edgetrain  # noqa: E402
 from edgetrain.data.batch import Batch  # noqa: E402
 from edgetrain.models.convnet import ConvNetConfig, build_convnet  # noqa: E402
+from edgetrain.models.text_transformer import TextTransformerConfig, build_text_transformer  # noqa: E402
 
 BATCH = 32
-MODEL_SPEC = "tools.bench_scpl:bench_model"
-SPLIT_2 = [3, 5]
 SPLIT_4 = [2, 2, 2, 2]
 MIB = 2**20
 
@@ -61,6 +67,34 @@ MIB = 2**20
 def bench_model() -> torch.nn.Module:
     return build_convnet(ConvNetConfig(input_shape=(3, 8, 8), channels=(128,) * 8, kernel_size=3, padding=1, pool=1,
                                        batch_norm=True, hidden_sizes=(), num_classes=10, activation="relu", seed=0))
+
+
+def transformer_model() -> torch.nn.Module:
+    # max_len 64: random_stream's text windows are 64 tokens.
+    return build_text_transformer(TextTransformerConfig(dim=128, depth=8, num_heads=4, max_len=64, num_classes=4,
+                                                        seed=0))
+
+
+@dataclass(frozen=True)
+class Workload:
+    builder: str          # "module:function", importable by every pipeline worker
+    split: list[int]      # units per component of the balanced 2-component split
+    description: str
+
+    def build(self) -> torch.nn.Module:
+        from edgetrain.distributed.scpl_pipeline import build_model
+
+        return build_model(self.builder)
+
+
+WORKLOADS = {
+    "transformer": Workload("tools.bench_scpl:transformer_model", [5, 4],
+                            "Transformer text classifier (dim 128, 8 blocks, 64 tokens, identity projection; "
+                            "paper Table 2's setting)"),
+    "convnet": Workload("tools.bench_scpl:bench_model", [3, 5],
+                        "VGG-style ConvNet (8 conv stages of 128 channels on 8x8 maps, A.1 MLP projection; "
+                        "paper Table 3's setting)"),
+}
 
 
 def batches(model: torch.nn.Module, count: int) -> list[Batch]:
@@ -72,10 +106,10 @@ def batches(model: torch.nn.Module, count: int) -> list[Batch]:
 
 # -- one cell in this process -------------------------------------------------------------------
 
-def run_cell(method: str, threads: int, warmup: int, steps: int, split: list[int] | None) -> dict:
+def run_cell(workload: str, method: str, threads: int, warmup: int, steps: int) -> dict:
     torch.set_num_threads(threads)
-    model = bench_model()
-    options = {"views": 1, "split": split} if method == "scpl" else {}
+    model = WORKLOADS[workload].build()
+    options = {"views": 1, "split": WORKLOADS[workload].split} if method == "scpl" else {}
     learner = edgetrain.Learner(model, method=method, optimizer="adam", lr=1e-3, probe=False, method_options=options)
     data = batches(model, warmup + steps)
     for batch in data[:warmup]:
@@ -87,12 +121,11 @@ def run_cell(method: str, threads: int, warmup: int, steps: int, split: list[int
     return {"samples_per_second": steps * BATCH / seconds, "threads": torch.get_num_threads()}
 
 
-def subprocess_cell(method: str, threads: int, warmup: int, steps: int, split: list[int] | None,
-                    copies: int = 1) -> dict:
+def subprocess_cell(workload: str, method: str, threads: int, warmup: int, steps: int, copies: int = 1) -> dict:
     """Run the cell in `copies` identical processes at once; their mean throughput."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    command = [sys.executable, __file__, "--cell", json.dumps({"method": method, "threads": threads,
-                                                               "warmup": warmup, "steps": steps, "split": split})]
+    cell = {"workload": workload, "method": method, "threads": threads, "warmup": warmup, "steps": steps}
+    command = [sys.executable, __file__, "--cell", json.dumps(cell)]
     running = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
                for _ in range(copies)]
     results = []
@@ -105,11 +138,11 @@ def subprocess_cell(method: str, threads: int, warmup: int, steps: int, split: l
             "threads": results[0]["threads"]}
 
 
-def pipeline_cell(workers: int, warmup: int, steps: int, split: list[int], micro_batches: int = 1,
+def pipeline_cell(workload: str, workers: int, warmup: int, steps: int, split: list[int], micro_batches: int = 1,
                   memory: bool = False) -> dict:
     from edgetrain.distributed.scpl_pipeline import PipelineConfig, launch
 
-    config = PipelineConfig(model=MODEL_SPEC, method="scpl", method_options={"views": 1, "split": split},
+    config = PipelineConfig(model=WORKLOADS[workload].builder, method="scpl", method_options={"views": 1, "split": split},
                             data="random", batch_size=BATCH, steps=steps, warmup_steps=warmup, optimizer="adam",
                             lr=1e-3, micro_batches=micro_batches, threads=1, device="cpu", memory=memory)
     return launch(config, workers, timeout=900)
@@ -117,22 +150,24 @@ def pipeline_cell(workers: int, warmup: int, steps: int, split: list[int], micro
 
 # -- throughput ---------------------------------------------------------------------------------
 
-def throughput(repeats: int, warmup: int, steps: int) -> list[str]:
+def throughput(workload: str, repeats: int, warmup: int, steps: int) -> list[str]:
     """Single-thread single-process cells run as two identical copies at once (per-copy throughput), so
     they hold as many runnable threads as the two pipeline workers: on an idle 2-core machine each copy
     has a core of its own, exactly like one process alone, and when other jobs share the cores both
     sides get the same share of them. The copies share memory bandwidth, as the workers do. A column
     gives the same cells alone, for reference."""
+    split = WORKLOADS[workload].split
     paired = {
-        "bp, 1 process x 1 thread": lambda: subprocess_cell("bp", 1, warmup, steps, None, copies=2),
-        "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell("scpl", 1, warmup, steps, SPLIT_2, copies=2),
-        "scpl pipelined, 2 workers x 1 thread": lambda: pipeline_cell(2, warmup, steps, SPLIT_2),
-        "scpl pipelined, 2 workers x 1 thread, 2 micro-batches": lambda: pipeline_cell(2, warmup, steps, SPLIT_2, 2),
-        "bp, 1 process x 2 threads": lambda: subprocess_cell("bp", 2, warmup, steps, None),
+        "bp, 1 process x 1 thread": lambda: subprocess_cell(workload, "bp", 1, warmup, steps, copies=2),
+        "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell(workload, "scpl", 1, warmup, steps, copies=2),
+        "scpl pipelined, 2 workers x 1 thread": lambda: pipeline_cell(workload, 2, warmup, steps, split),
+        "scpl pipelined, 2 workers x 1 thread, 2 micro-batches": lambda: pipeline_cell(workload, 2, warmup, steps,
+                                                                                      split, 2),
+        "bp, 1 process x 2 threads": lambda: subprocess_cell(workload, "bp", 2, warmup, steps),
     }
     alone = {
-        "bp, 1 process x 1 thread": lambda: subprocess_cell("bp", 1, warmup, steps, None),
-        "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell("scpl", 1, warmup, steps, SPLIT_2),
+        "bp, 1 process x 1 thread": lambda: subprocess_cell(workload, "bp", 1, warmup, steps),
+        "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell(workload, "scpl", 1, warmup, steps),
     }
     results: dict[str, list[float]] = {name: [] for name in paired}
     alone_results: dict[str, list[float]] = {name: [] for name in alone}
@@ -149,7 +184,7 @@ def throughput(repeats: int, warmup: int, steps: int) -> list[str]:
             if "workers" in out:
                 extra[name] = out
     reference = statistics.median(results["bp, 1 process x 1 thread"])
-    lines = [f"Throughput: bench_model (8 conv stages of 128 channels on 8x8 maps), batch {BATCH}, Adam, one view; "
+    lines = [f"Throughput, {workload}: {WORKLOADS[workload].description}, batch {BATCH}, Adam, one view; "
              f"{steps} timed steps after {warmup} warm-up, median of {repeats} interleaved repeats; 1-thread "
              "single-process cells run as two copies at once (see throughput()); load average during the run "
              f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores", "",
@@ -170,14 +205,14 @@ def throughput(repeats: int, warmup: int, steps: int) -> list[str]:
 
 # -- compute balance (CPU time, robust to other jobs on the cores) ----------------------------------
 
-def balance(steps: int = 6, warmup: int = 2) -> list[str]:
+def balance(workload: str, steps: int = 6, warmup: int = 2) -> list[str]:
     """One thread's CPU time per step for each component of the 2-component split (forward, local loss,
     backward, its Adam step) and for bp: max(component) bounds the pipelined step, so bp / max is
     the speedup two idle cores could give. Thread CPU time barely moves when other jobs share the cores."""
     torch.set_num_threads(1)
-    model = bench_model()
+    model = WORKLOADS[workload].build()
     learner = edgetrain.Learner(model, method="scpl", optimizer="adam", lr=1e-3, probe=False,
-                                method_options={"views": 1, "split": SPLIT_2})
+                                method_options={"views": 1, "split": WORKLOADS[workload].split})
     components = learner.method.components
     optimizers = [torch.optim.Adam(list(c.params.values()), lr=1e-3) for c in components]
     data = batches(model, warmup + steps)
@@ -193,7 +228,7 @@ def balance(steps: int = 6, warmup: int = 2) -> list[str]:
             if i >= warmup:
                 cpu[k] += time.thread_time() - start
             h = out.detach()
-    bp_model = bench_model()
+    bp_model = WORKLOADS[workload].build()
     bp = edgetrain.Learner(bp_model, method="bp", optimizer="adam", lr=1e-3, probe=False)
     bp_cpu = 0.0
     for i, batch in enumerate(data):
@@ -203,7 +238,7 @@ def balance(steps: int = 6, warmup: int = 2) -> list[str]:
             bp_cpu += time.thread_time() - start
     per_step = [c / steps * 1000 for c in cpu]
     bp_ms = bp_cpu / steps * 1000
-    return [f"Compute balance (one thread's CPU time per step of {BATCH}, mean of {steps} steps): "
+    return [f"Compute balance, {workload} (one thread's CPU time per step of {BATCH}, mean of {steps} steps): "
             + ", ".join(f"component {c.index} ({c.name}) {ms:.0f} ms" for c, ms in zip(components, per_step))
             + f"; bp {bp_ms:.0f} ms; scpl sequential {sum(per_step):.0f} ms. Ideal 2-worker pipeline: "
             f"bp / max(component) = {bp_ms / max(per_step):.2f}x bp, {sum(per_step) / max(per_step):.2f}x scpl sequential."]
@@ -249,9 +284,9 @@ def in_process_memory(method: str) -> dict:
 def memory() -> list[str]:
     bp = in_process_memory("bp")
     scpl = in_process_memory("scpl")
-    pipe = pipeline_cell(4, warmup=1, steps=1, split=SPLIT_4, memory=True)
+    pipe = pipeline_cell("convnet", 4, warmup=1, steps=1, split=SPLIT_4, memory=True)
     bp_saved, bp_peak = bp["saved"][0], bp["peak"]
-    lines = [f"Memory: bench_model, batch {BATCH}, 4 components (split {SPLIT_4}); saved = bytes autograd keeps "
+    lines = [f"Memory: convnet workload, batch {BATCH}, 4 components (split {SPLIT_4}); saved = bytes autograd keeps "
              "for backward (weights excluded), peak = tensor accounting above the step's baseline "
              "(activations, gradients, temporaries; weights and optimizer state are the baseline)", "",
              "| run | saved activations | vs bp | peak above baseline | vs bp | trainable parameters |",
@@ -278,22 +313,29 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--workloads", type=lambda text: text.split(","), default=list(WORKLOADS),
+                        help=f"throughput and balance workloads, comma-separated ({', '.join(WORKLOADS)})")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
         cell = json.loads(args.cell)
-        print(json.dumps(run_cell(cell["method"], cell["threads"], cell["warmup"], cell["steps"], cell["split"])))
+        print(json.dumps(run_cell(cell["workload"], cell["method"], cell["threads"], cell["warmup"], cell["steps"])))
         return 0
     repeats = args.repeats or (1 if args.quick else 3)
     steps = args.steps or (8 if args.quick else 30)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores; every worker: torch.set_num_threads and "
           "OMP_NUM_THREADS as stated\n")
+    unknown = sorted(set(args.workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     if args.only in (None, "balance"):
-        print("\n".join(balance()), flush=True)
+        for workload in args.workloads:
+            print("\n".join(balance(workload)), flush=True)
         print()
     if args.only in (None, "throughput"):
-        print("\n".join(throughput(repeats, warmup=3, steps=steps)), flush=True)
-        print()
+        for workload in args.workloads:
+            print("\n".join(throughput(workload, repeats, warmup=3, steps=steps)), flush=True)
+            print()
     if args.only in (None, "memory"):
         print("\n".join(memory()), flush=True)
     return 0
