@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sysconfig
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,9 +13,26 @@ from edgetrain.registry import EdgetrainError
 MIB = 2**20
 
 
+SOURCE_TARGETS = Path(__file__).resolve().parents[1] / "targets"  # a source checkout or an editable install
+
+
+def installed_targets_directories() -> list[Path]:
+    """Where a wheel puts the profiles (pyproject's data-files): <prefix>/share/edgetrain/targets, for the
+    interpreter's prefix and for a --user install."""
+    schemes = [sysconfig.get_default_scheme(), f"{os.name}_user"]
+    return [Path(sysconfig.get_path("data", scheme)) / "share" / "edgetrain" / "targets"
+            for scheme in schemes if scheme in sysconfig.get_scheme_names()]
+
+
 def targets_directory() -> Path:
+    """$EDGETRAIN_TARGETS_DIR, else the checkout's targets/, else the installed copy."""
     override = os.environ.get("EDGETRAIN_TARGETS_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[1] / "targets"
+    if override:
+        return Path(override)
+    for directory in (SOURCE_TARGETS, *installed_targets_directories()):
+        if any(directory.glob("*.toml")):
+            return directory
+    return SOURCE_TARGETS
 
 
 @dataclass(frozen=True)
