@@ -43,6 +43,21 @@ class MemoryBudgetError(TrainingError):
     """The measured first step does not fit the memory budget."""
 
 
+def resolve_memory_budget(memory_budget: int | str | None, target: str | None) -> tuple[int | None, str]:
+    """(budget in bytes or None, where it came from for messages). An explicit `memory_budget` overrides
+    the device profile's; the profile is still loaded, so an unknown target is an error either way."""
+    profile = None
+    if target is not None:
+        from edgetrain.targets import load_target
+
+        profile = load_target(target)
+    if memory_budget is not None:
+        return parse_bytes(memory_budget), ""
+    if profile is not None:
+        return profile.memory_budget_bytes, f" of target {profile.name!r}"
+    return None, ""
+
+
 # Lower-memory methods to fall back to, best first (exact gradients before estimates).
 FALLBACK_ORDER = ("mebp", "mesp", "mezo")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -137,11 +152,7 @@ class Learner:
         self.optimizer = make_optimizer(optimizer, list(self.params.values()), lr, **(optimizer_options or {}))
         # Checked before every optimizer step, also the per-block steps of fused methods.
         self.optimizer.register_step_pre_hook(_refuse_non_finite_gradients)
-        if target is not None and memory_budget is None:
-            from edgetrain.targets import load_target
-
-            memory_budget = load_target(target).memory_budget_bytes
-        self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget)
+        self.memory_budget, self.memory_budget_origin = resolve_memory_budget(memory_budget, target)
         self.fallback_methods = tuple(fallback_methods)
         for name in self.fallback_methods:
             METHODS.get(name)
@@ -269,7 +280,7 @@ class Learner:
             suggestions.append(f"a smaller LoRA rank (now {config.rank})")
         return (f"the first step needs {'; '.join(tried)} (weights {self.weights_bytes / 2**20:,.1f} MiB + "
                 f"training peak measured by the {stats.probe} probe), over the memory budget of "
-                f"{self.memory_budget / 2**20:,.1f} MiB. Try " + ", or ".join(suggestions or ["a smaller model"]))
+                f"{self.memory_budget / 2**20:,.1f} MiB{self.memory_budget_origin}. Try " + ", or ".join(suggestions or ["a smaller model"]))
 
     def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
         """Loss and gradient (or the method's estimate) per trainable parameter; weights unchanged."""

@@ -233,3 +233,21 @@ def test_learner_refuses_bad_batch_before_training(tiny_lora):
     with pytest.raises(BadBatchError, match="batch 4: token id 999"):
         learner.step(Batch(torch.tensor([[1, 999]]), torch.tensor([[2, 3]]), 4))
     assert learner.steps_done == 0
+
+
+def test_a_device_targets_budget_refuses_and_an_explicit_budget_overrides_it(tiny_lora, text_batches, tmp_path,
+                                                                           monkeypatch):
+    (tmp_path / "watch.toml").write_text('description = "a 1 MiB device"\nbackend = "torch-cpu"\nprobe = "linux"\n'
+                                         'dtype = "float32"\nmemory_budget_mib = 1\n')
+    monkeypatch.setenv("EDGETRAIN_TARGETS_DIR", str(tmp_path))
+    from edgetrain.learner import MemoryBudgetError
+
+    learner = edgetrain.Learner(tiny_lora(), method="bp", target="watch")
+    assert learner.memory_budget == 2**20
+    with pytest.raises(MemoryBudgetError, match=r"over the memory budget of 1.0 MiB of target 'watch'"):
+        learner.step(text_batches(1, seq_len=256)[0])
+    assert learner.steps_done == 0
+    roomy = edgetrain.Learner(tiny_lora(), method="bp", target="watch", memory_budget="8GiB")
+    assert roomy.step(text_batches(1, seq_len=32)[0]).step == 1
+    with pytest.raises(edgetrain.EdgetrainError, match="unknown target 'nowhere'; known targets: watch"):
+        edgetrain.Learner(tiny_lora(), method="bp", target="nowhere", memory_budget="8GiB")

@@ -28,7 +28,8 @@ from edgetrain.backends.mlx.methods import MLX_METHODS, lm_loss
 from edgetrain.backends.mlx.optim import FlatOptimizer
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
-from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe, parse_bytes)
+from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe,
+                               resolve_memory_budget)
 from edgetrain.methods.base import NonFiniteError, TrainingError
 from edgetrain.registry import EdgetrainError
 
@@ -99,11 +100,7 @@ class MLXLearner(Learner):
         self.method_options = dict(method_options or {})
         self.method = MLX_METHODS.get(method)(self.model, **self.method_options)
         self.optimizer = FlatOptimizer(model, optimizer, lr, **(optimizer_options or {}))
-        if target is not None and memory_budget is None:
-            from edgetrain.targets import load_target
-
-            memory_budget = load_target(target).memory_budget_bytes
-        self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget)
+        self.memory_budget, self.memory_budget_origin = resolve_memory_budget(memory_budget, target)
         self.fallback_methods = tuple(fallback_methods)
         for name in self.fallback_methods:
             MLX_METHODS.get(name)
@@ -195,7 +192,7 @@ class MLXLearner(Learner):
                 raise MemoryBudgetError(f"the first step needs {'; '.join(tried)} (weights "
                                         f"{self.weights_bytes / 2**20:,.1f} MiB + training peak measured by the "
                                         f"{stats.probe} probe), over the memory budget of "
-                                        f"{self.memory_budget / 2**20:,.1f} MiB. Try {hint}, a shorter "
+                                        f"{self.memory_budget / 2**20:,.1f} MiB{self.memory_budget_origin}. Try {hint}, a shorter "
                                         "sequence or a smaller LoRA rank")
             self.method_name, self.method_options = candidates[0], {}
             self.method = MLX_METHODS.get(self.method_name)(self.model)
