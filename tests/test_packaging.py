@@ -22,9 +22,11 @@ def test_an_installed_wheel_finds_every_device_target(tmp_path):
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel"),
          str(REPO)])
     prefix = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", str(prefix)])
+    run([sys.executable, "-m", "venv", str(prefix)])
     wheel = next((tmp_path / "wheel").glob("edgetrain-*.whl"))
-    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(prefix), str(wheel)])
+    # The new environment's own pip: this environment's pip with --prefix would first uninstall the
+    # edgetrain installed here (pip replaces a distribution it finds in the environment it runs in).
+    run([str(prefix / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)])
     # The new environment borrows this one's dependencies (torch, ...) but not its editable edgetrain:
     # PYTHONPATH entries are not site directories, so the editable install's .pth hook is not run there.
     dependencies = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
@@ -38,3 +40,7 @@ def test_an_installed_wheel_finds_every_device_target(tmp_path):
     assert Path(module).is_relative_to(prefix)  # the installed copy, not the checkout
     assert Path(directory) == prefix / "share" / "edgetrain" / "targets"
     assert names.split(",") == expected and int(loaded) == len(expected)
+    # Building and installing elsewhere left this environment's edgetrain where it was.
+    here = run([sys.executable, "-c", "import edgetrain; print(edgetrain.__file__)"], cwd=tmp_path)
+    assert Path(here.stdout.strip()).resolve() == (REPO / "edgetrain" / "__init__.py").resolve() or \
+        not Path(here.stdout.strip()).is_relative_to(prefix)
