@@ -15,6 +15,7 @@ the last step, the largest |loss difference| over the steps, and each run's held
     python samples/server_parity.py                       # all three, longer runs
     python samples/server_parity.py --quick               # all three, a few seconds of training each
     python samples/server_parity.py --methods scpl,subnet --quick
+    python samples/server_parity.py --methods subnet --steps 300 --subnet-noise-floor
 
 Both runs of a method take the same updates; they differ only in the order floats are summed (a
 gradient averaged over ranks instead of over one batch, a loss reduced across ranks), so the tolerance
@@ -22,6 +23,12 @@ below is a few hundred float32 ulps of weights of size ~1: 1e-4 on weights and p
 two held-out accuracies must agree to within one test example (360 of them). The exit status is 1 if
 any method is outside it. Every process runs one thread (OMP_NUM_THREADS=1), so the same kernels sum in
 the same order inside a rank.
+
+The subnet run is short (45 steps; quick 30) on purpose: this ResNet under SGD with Nesterov momentum
+amplifies float rounding within ~60-150 steps on digits (at every lr and batch tried, 0.01-0.1 and
+8-16 per worker), so past that horizon the two runs drift apart as far as the one-process run drifts
+from itself when its weights are nudged by 1e-7. `--subnet-noise-floor` measures that drift next to
+the torchrun comparison; `--steps 300` shows both.
 
 This file is also the torchrun worker of the subnet comparison (`--worker subnet`): the CLI
 (python -m edgetrain.distributed.subnet.run) reports accuracies, not weights or per-step losses, so the
@@ -51,15 +58,16 @@ WEIGHT_TOLERANCE = 1e-4
 LOSS_TOLERANCE = 1e-4
 TEST_EXAMPLES = 360  # digits' held-out split (20%, stratified)
 
-# One config per method; `quick` shortens the run, nothing else changes.
+# One config per method; --quick (or --steps) changes only the number of steps.
 SEGPROP = {"resnet": {"in_channels": 1, "width": 8, "norm": "group", "blocks_per_stage": [1, 1, 1],
                       "num_classes": 10},
            "options": {"segments": 2, "head_blocks": 1, "snapcheck": True},
-           "batch": 32, "lr": 0.1, "steps_per_stage": {"quick": 25, "full": 150}}
+           "batch": 32, "lr": 0.1, "steps": {"quick": 25, "full": 150}}  # per stage
 SCPL = {"options": {"projection_dims": [32, 32], "augment": {"flip": 0.0, "crop_scale": [0.7, 1.0]}},
         "batch": 32, "lr": 1e-3, "steps": {"quick": 40, "full": 400}}
-SUBNET = {"workers": 4, "overlap": 2, "masking": "block", "batch": 8, "lr": 0.1, "blocks": [1, 1, 1, 1],
-          "steps": {"quick": 30, "full": 300}}
+SUBNET = {"workers": 4, "overlap": 2, "masking": "block", "batch": 8, "lr": 0.1, "momentum": 0.9,
+          "blocks": [1, 1, 1, 1],
+          "steps": {"quick": 30, "full": 45}}  # see the docstring: longer runs amplify rounding
 
 
 @dataclass
@@ -89,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs: a check that everything runs and agrees")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    parser.add_argument("--steps", type=int, help="training steps of every run (SegProp: per stage); "
+                                                  "default: the method's quick or full count")
+    parser.add_argument("--subnet-noise-floor", action="store_true",
+                        help="also rerun the one-process subnet run with its weights nudged by 1e-7 (relative) "
+                             "after the first step: how far float rounding alone carries it")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for each torchrun launch")
     parser.add_argument("--worker", choices=["subnet"], help=argparse.SUPPRESS)  # torchrun worker mode
     parser.add_argument("--worker-config", help=argparse.SUPPRESS)
@@ -136,7 +149,8 @@ def accuracy(model: torch.nn.Module, image: bool) -> float:
 
 # -- SegProp: one process vs DDP ------------------------------------------------------------------
 
-def segprop_parity(quick: bool, timeout: float) -> Parity:
+def segprop_parity(steps: int, timeout: float) -> Parity:
+    """`steps` per stage (two stages, then the adapters are discarded)."""
     from safetensors.torch import load_file
 
     from edgetrain.data import make_stream
@@ -145,7 +159,6 @@ def segprop_parity(quick: bool, timeout: float) -> Parity:
     from edgetrain.models.resnet import ResNetConfig, build_resnet
 
     cfg, started = SEGPROP, time.perf_counter()
-    steps = cfg["steps_per_stage"]["quick" if quick else "full"]
     data = {"image": True, "shuffle": False}
     with tempfile.TemporaryDirectory(prefix="server-parity-") as tmp:
         out = Path(tmp) / "ddp.safetensors"
@@ -169,14 +182,13 @@ def segprop_parity(quick: bool, timeout: float) -> Parity:
 
 # -- SCPL: sequential components vs one worker per component ---------------------------------------
 
-def scpl_parity(quick: bool, timeout: float) -> Parity:
+def scpl_parity(steps: int, timeout: float) -> Parity:
     import edgetrain
     from edgetrain.checkpoint import load_safetensors_checked
     from edgetrain.data import make_stream
     from edgetrain.distributed.scpl_pipeline import PipelineConfig, launch
 
     cfg, started = SCPL, time.perf_counter()
-    steps = cfg["steps"]["quick" if quick else "full"]
     with tempfile.TemporaryDirectory(prefix="server-parity-") as tmp:
         path = Path(tmp) / "pipeline.safetensors"
         config = PipelineConfig(model="convnet-digits", method="scpl", method_options=cfg["options"], data="digits",
@@ -206,17 +218,17 @@ def scpl_parity(quick: bool, timeout: float) -> Parity:
 
 # -- subnetwork DP: the single-process simulation vs N ranks holding their subnetworks ----------------
 
-def subnet_setup(quick: bool) -> tuple[Any, Any]:
+def subnet_setup(steps: int) -> tuple[Any, Any]:
     from edgetrain.distributed.subnet.trainer import SubnetDPConfig
     from edgetrain.models.resnet_subnet import digits_subnet_config
 
     cfg = SUBNET
     config = SubnetDPConfig(masking=cfg["masking"], overlap=cfg["overlap"], batch_size=cfg["batch"], lr=cfg["lr"],
-                            max_steps=cfg["steps"]["quick" if quick else "full"], epochs=1000.0)
+                            momentum=cfg["momentum"], nesterov=cfg["momentum"] > 0, max_steps=steps, epochs=1000.0)
     return digits_subnet_config(blocks_per_stage=tuple(cfg["blocks"])), config
 
 
-def subnet_parity(quick: bool, timeout: float) -> Parity:
+def subnet_parity(steps: int, timeout: float) -> Parity:
     from edgetrain.distributed.subnet.run import launch_local, load_data, save_data_file
     from edgetrain.distributed.subnet.trainer import train_simulated
 
@@ -225,11 +237,11 @@ def subnet_parity(quick: bool, timeout: float) -> Parity:
         data = save_data_file(Path(tmp) / "digits.pt", "digits")  # loaded once, not by every rank
         weights = Path(tmp) / "unified.pt"
         ranks = launch_local(cfg["workers"], ["--worker", "subnet", "--worker-config",
-                                              json.dumps({"quick": quick, "data": str(data), "weights": str(weights)})],
+                                              json.dumps({"steps": steps, "data": str(data), "weights": str(weights)})],
                              module="samples.server_parity", timeout=timeout)
         distributed = torch.load(weights)
         train, test = load_data("digits", data_file=data)
-    model_config, config = subnet_setup(quick)
+    model_config, config = subnet_setup(steps)
     single = train_simulated(model_config, train, test, config, cfg["workers"])
     # The simulation's step loss is the mean of the N workers' losses; so is the ranks' mean.
     rank_mean = [sum(step) / len(step) for step in zip(*(r["losses"] for r in ranks))]
@@ -238,6 +250,30 @@ def subnet_parity(quick: bool, timeout: float) -> Parity:
                   max_weight_diff({k: v.detach() for k, v in single["model"].named_parameters()}, distributed),
                   max_loss_diff(single["losses"], rank_mean), single["test"]["accuracy"],
                   ranks[0]["test"]["accuracy"], time.perf_counter() - started)
+
+
+def subnet_noise_floor(steps: int) -> tuple[float, float]:
+    """The one-process subnet run twice, the second with every weight scaled by (1 + 1e-7 * N(0, 1))
+    after its first step -- a perturbation of the size of float32 rounding. How far apart the two end
+    up is how far rounding alone carries this run: the floor under any torchrun comparison."""
+    from edgetrain.distributed.subnet.run import load_data
+    from edgetrain.distributed.subnet.trainer import train_simulated
+
+    train, test = load_data("digits")
+    model_config, config = subnet_setup(steps)
+    plain = train_simulated(model_config, train, None, config, SUBNET["workers"])
+    generator = torch.Generator().manual_seed(0)
+
+    def nudge(step: int, model: torch.nn.Module, method: Any) -> None:
+        if step == 0:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(1 + 1e-7 * torch.randn(param.shape, generator=generator))
+
+    nudged = train_simulated(model_config, train, None, config, SUBNET["workers"], on_step=nudge)
+    weights = max_weight_diff({k: v.detach() for k, v in plain["model"].named_parameters()},
+                              {k: v.detach() for k, v in nudged["model"].named_parameters()})
+    return weights, max_loss_diff(plain["losses"], nudged["losses"])
 
 
 def subnet_worker(args: argparse.Namespace) -> int:
@@ -254,7 +290,7 @@ def subnet_worker(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     try:
         train, test = load_data("digits", data_file=Path(spec["data"]))
-        model_config, config = subnet_setup(spec["quick"])
+        model_config, config = subnet_setup(spec["steps"])
         losses: list[float] = []
         held: dict[str, Any] = {}
 
@@ -286,6 +322,7 @@ def run_torchrun(command: list[str], timeout: float) -> None:
 
 
 RUNNERS = {"segprop": segprop_parity, "scpl": scpl_parity, "subnet": subnet_parity}
+CONFIGS = {"segprop": SEGPROP, "scpl": SCPL, "subnet": SUBNET}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,14 +330,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker == "subnet":
         return subnet_worker(args)
     methods = parse_methods(args.methods)
+    if args.steps is not None and args.steps < 1:
+        raise SystemExit(f"server_parity: --steps must be at least 1, got {args.steps}")
     torch.set_num_threads(1)  # the same kernels and summation order as the one-thread ranks
     print(f"tolerance: |weight diff| <= {WEIGHT_TOLERANCE:g}, |loss diff| <= {LOSS_TOLERANCE:g}, "
           f"held-out accuracies within 1/{TEST_EXAMPLES}")
     results = []
     for method in methods:
-        result = RUNNERS[method](args.quick, args.timeout)
+        steps = args.steps or CONFIGS[method]["steps"]["quick" if args.quick else "full"]
+        result = RUNNERS[method](steps, args.timeout)
         print(result.line(), flush=True)
         results.append(result)
+        if method == "subnet" and args.subnet_noise_floor:
+            weights, losses = subnet_noise_floor(steps)
+            print(f"subnet noise floor: the one-process run against itself nudged by 1e-7, {steps} steps: "
+                  f"max |weight diff| {weights:.2e}, max |loss diff| {losses:.2e}", flush=True)
     failed = [r.method for r in results if not r.ok]
     print("PASS" if not failed else f"FAIL: {', '.join(failed)}")
     return 0 if not failed else 1
