@@ -268,11 +268,13 @@ def fashion(args: argparse.Namespace) -> dict | None:
         stream = ArrayStream(train_x, train_y, batch_size=args.fashion_batch, shuffle=True, seed=0)
         started = time.perf_counter()
         result = run_schedule(model, stream, method, epochs_per_stage=args.fashion_epochs, optimizer="adamw",
-                              lr=3e-4, optimizer_options={"weight_decay": 0.01}, eval_batches=test, **options)
+                              lr=args.fashion_lr, optimizer_options={"weight_decay": 0.01}, eval_batches=test,
+                              **options)
         out[method] = result.final["accuracy"]
         print(f"    fashion {method}: {out[method]:.4f} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    print(f"\nFashion-MNIST test accuracy, ResNet-18 (MLP head), {args.fashion_epochs} epochs per stage, "
-          f"{args.fashion_train or 60000} training / {len(test_x)} test images: "
+    print(f"\nFashion-MNIST test accuracy, ResNet-18 (MLP head), {args.fashion_epochs} epochs per stage, batch "
+          f"{args.fashion_batch}, AdamW {args.fashion_lr:g}, the first {args.fashion_train or 60000} training / "
+          f"{len(test_x)} test images: "
           + ", ".join(f"{m} {a:.4f}" for m, a in out.items()))
     return out
 
@@ -289,6 +291,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--fashion-epochs", type=int, default=1)
     parser.add_argument("--fashion-batch", type=int, default=128)
+    parser.add_argument("--fashion-lr", type=float, default=3e-4)
     parser.add_argument("--fashion-train", type=int, default=0, help="train on the first N examples (0 = all)")
     parser.add_argument("--fashion-test", type=int, default=0, help="evaluate on the first N test images (0 = all)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
