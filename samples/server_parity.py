@@ -259,7 +259,7 @@ def subnet_noise_floor(steps: int) -> tuple[float, float]:
     from edgetrain.distributed.subnet.run import load_data
     from edgetrain.distributed.subnet.trainer import train_simulated
 
-    train, test = load_data("digits")
+    train, _ = load_data("digits")
     model_config, config = subnet_setup(steps)
     plain = train_simulated(model_config, train, None, config, SUBNET["workers"])
     generator = torch.Generator().manual_seed(0)

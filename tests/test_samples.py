@@ -46,7 +46,7 @@ def run_server_parity(methods: str, timeout: float) -> dict[str, re.Match]:
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     found = {m.group(1): m for m in PARITY_LINE.finditer(result.stdout)}
     assert sorted(found) == sorted(methods.split(",")), result.stdout
-    for method, line in found.items():
+    for line in found.values():
         weights, losses = float(line.group(3)), float(line.group(4))
         single, distributed = float(line.group(5)), float(line.group(6))
         assert int(line.group(2)) >= 30 and line.group(7) == "PASS", line.group(0)
