@@ -35,6 +35,8 @@ def test_per_rank_parameter_and_optimizer_bytes_are_about_p_over_n(selfcheck, ma
         assert found["worker_parameters"] == found["plan_worker_parameters"]
         held = found["state_bytes"]
         assert held["optimizer"] == held["parameters"] == 4 * found["worker_parameters"]  # fp32 + momentum
+        mid = found["state_bytes_mid_step"]  # after the optimizer step, before zero_grad
+        assert mid["gradients"] == mid["optimizer"] == mid["parameters"] == 4 * found["worker_parameters"]
         ratios.append(found["param_plus_optimizer_ratio"])
         # P/N = 0.5, plus the replicated trunk (stem, head, shortcuts: 2.1-2.3% here) and block granularity
         assert 0.5 <= found["param_plus_optimizer_ratio"] <= 0.5 + found["replicated_fraction"] + 0.01

@@ -6,7 +6,8 @@ For each masking kind, on every rank:
   sync        after every one of `--steps` training steps, every shared parameter entry is identical
               across its owners (max |difference| over each owner group), and the unified model equals
               the single-process simulation (method.SubnetDPSimulation) of the same N workers, step by step;
-  bytes       this rank's parameter + optimizer-state bytes, next to the full model's and the plan's count;
+  bytes       this rank's parameter, gradient (mid-step) and optimizer-state bytes, next to the full
+              model's and the plan's count;
   engines     the "groups" and "dense" averaging engines give the same averaged gradient;
   divide_by_p worker 0 sends an all-zero gradient (a dead-ReLU worker) and every other worker sends its
               rank + 1: each entry must be sum / (owner count), not sum / (workers that sent non-zeros).
@@ -76,6 +77,8 @@ def check_masking(masking: str, overlap: int, steps: int, batch_size: int, width
             out["engines_max_diff"] = _compare_engines(subnet, averager)
         averager.average()
         optimizer.step()
+        if step == 0:  # gradients and momentum both live now: each must be the subnetwork's size
+            out["state_bytes_mid_step"] = state_bytes(subnet, optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         simulation.step(batch, sim_optimizer)
