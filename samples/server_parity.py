@@ -19,7 +19,7 @@ the last step, the largest |loss difference| over the steps, and each run's held
 
 Both runs of a method take the same updates; they differ only in the order floats are summed (a
 gradient averaged over ranks instead of over one batch, a loss reduced across ranks), so the tolerance
-below is a few hundred float32 ulps of weights of size ~1: 1e-4 on weights and per-step losses, and the
+below is about 800 float32 ulps of a weight of size 1: 1e-4 on weights and per-step losses, and the
 two held-out accuracies must agree to within one test example (360 of them). The exit status is 1 if
 any method is outside it. Every process runs one thread (OMP_NUM_THREADS=1), so the same kernels sum in
 the same order inside a rank.
