@@ -333,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 1:
         raise SystemExit(f"server_parity: --steps must be at least 1, got {args.steps}")
     torch.set_num_threads(1)  # the same kernels and summation order as the one-thread ranks
+    # launch_local's children must import this file as `samples.server_parity` wherever edgetrain lives.
+    os.environ["PYTHONPATH"] = torchrun_env()["PYTHONPATH"]
     print(f"tolerance: |weight diff| <= {WEIGHT_TOLERANCE:g}, |loss diff| <= {LOSS_TOLERANCE:g}, "
           f"held-out accuracies within 1/{TEST_EXAMPLES}")
     results = []
