@@ -258,8 +258,14 @@ def fashion(args: argparse.Namespace) -> dict | None:
         test_x, test_y = test_x[:args.fashion_test], test_y[:args.fashion_test]
     test = [Batch(test_x[i:i + 500], test_y[i:i + 500]) for i in range(0, len(test_x), 500)]
     out = {}
-    for method, options in (("bp", {}), ("lw", {"view": "resnet-paper", "head_blocks": 1, "segments": 4}),
-                            ("segprop", {"view": "resnet-paper", "head_blocks": 1, "segments": 4})):
+    plans = {"bp": {}, "lw": {"view": "resnet-paper", "head_blocks": 1, "segments": 4},
+             "segprop": {"view": "resnet-paper", "head_blocks": 1, "segments": 4}}
+    # bp's epochs: by default the same as one stage (the paper's protocol); --fashion-bp-epochs gives bp
+    # as many passes as a whole staged schedule instead.
+    epochs = {"bp": args.fashion_bp_epochs or args.fashion_epochs, "lw": args.fashion_epochs,
+              "segprop": args.fashion_epochs}
+    for method in args.fashion_methods:
+        options = plans[method]
         model = build_resnet(ResNetConfig(num_classes=10, in_channels=1, stem="cifar"))
         model.head = MLPHead(512, 512, 10)
         train_x, train_y = load_fashion_mnist("train", image=True)
@@ -267,7 +273,7 @@ def fashion(args: argparse.Namespace) -> dict | None:
             train_x, train_y = train_x[:args.fashion_train], train_y[:args.fashion_train]
         stream = ArrayStream(train_x, train_y, batch_size=args.fashion_batch, shuffle=True, seed=0)
         started = time.perf_counter()
-        result = run_schedule(model, stream, method, epochs_per_stage=args.fashion_epochs, optimizer="adamw",
+        result = run_schedule(model, stream, method, epochs_per_stage=epochs[method], optimizer="adamw",
                               lr=args.fashion_lr, optimizer_options={"weight_decay": 0.01}, eval_batches=test,
                               **options)
         out[method] = result.final["accuracy"]
@@ -275,7 +281,7 @@ def fashion(args: argparse.Namespace) -> dict | None:
     print(f"\nFashion-MNIST test accuracy, ResNet-18 (MLP head), {args.fashion_epochs} epochs per stage, batch "
           f"{args.fashion_batch}, AdamW {args.fashion_lr:g}, the first {args.fashion_train or 60000} training / "
           f"{len(test_x)} test images: "
-          + ", ".join(f"{m} {a:.4f}" for m, a in out.items()))
+          + ", ".join(f"{m} {a:.4f}" for m, a in out.items()) + f" (bp: {epochs['bp']} epochs)")
     return out
 
 
@@ -294,6 +300,10 @@ def main() -> int:
     parser.add_argument("--fashion-epochs", type=int, default=1)
     parser.add_argument("--fashion-batch", type=int, default=128)
     parser.add_argument("--fashion-lr", type=float, default=3e-4)
+    parser.add_argument("--fashion-methods", nargs="+", default=["bp", "lw", "segprop"],
+                        choices=["bp", "lw", "segprop"])
+    parser.add_argument("--fashion-bp-epochs", type=int, default=0,
+                        help="bp's epochs (0 = --fashion-epochs, the same as one stage)")
     parser.add_argument("--fashion-train", type=int, default=0, help="train on the first N examples (0 = all)")
     parser.add_argument("--fashion-test", type=int, default=0, help="evaluate on the first N test images (0 = all)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
