@@ -169,8 +169,11 @@ def test_sgd_loss_trajectory_matches_bp_step_for_step_fused_or_not(tiny_lora, te
     mesp_losses, mesp_weights = sgd_losses(tiny_lora, text_batches, "mesp", steps)
     fused_losses, fused_weights = sgd_losses(tiny_lora, text_batches, "mesp", steps, fused_update=True)
     assert bp_losses[-1] < bp_losses[0] - 0.5  # it really trains
+    # fp32 rounding differences (MeSP sums in another order) compound over 50 steps: 1.04e-6 relative at
+    # step 37 on one x86 machine, 0 at step 0. 1e-5 is the per-step gradient bound used above; a wrong
+    # gradient term moves the trajectory by orders of magnitude more.
     for step, (ref, mine) in enumerate(zip(bp_losses, mesp_losses)):
-        assert abs(mine - ref) <= 1e-6 * abs(ref), (step, ref, mine)
+        assert abs(mine - ref) <= 1e-5 * abs(ref), (step, ref, mine)
     # Per-block SGD updates apply the very same arithmetic as one update of everything.
     assert fused_losses == mesp_losses
     assert all(torch.equal(fused_weights[k], mesp_weights[k]) for k in mesp_weights)
