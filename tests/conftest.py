@@ -41,3 +41,15 @@ def tiny_lora():
                         param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
         return model
     return build
+
+
+@pytest.fixture
+def one_thread():
+    """One torch intra-op thread for the test (modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`): bit-for-bit comparisons need a fixed
+    reduction order, pipeline and torchrun workers run one thread each and the reference must match
+    them, and on a busy 2-core machine OpenMP's spinning makes multi-threaded tiny kernels very slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,12 +17,8 @@ BATCH = 16
 OPTIONS = {"projection_dims": [32, 32], "augment": {"flip": 0.0, "crop_scale": [0.7, 1.0]}}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: the same kernels, the same sums
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sequential(num_components: int):

@@ -28,13 +28,8 @@ from edgetrain.registry import EdgetrainError
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    # The workers run one intra-op thread each; the reference must too for bit-identical sums.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_digits(method: str, epochs: int, lr: float, method_options: dict | None = None) -> float:

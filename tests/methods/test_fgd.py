@@ -17,14 +17,8 @@ from edgetrain.models.mlp import MLPConfig, build_mlp, digits_mlp_config
 from edgetrain.registry import EdgetrainError
 
 
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    # Bit-for-bit comparisons need a fixed reduction order, and on a busy 2-core machine OpenMP's
-    # spinning makes multi-threaded tiny kernels 1000x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_mlp(batch_norm: bool = True) -> torch.nn.Module:

@@ -25,12 +25,8 @@ from edgetrain.registry import EdgetrainError
 SMALL_HEAD = {"projection_dims": (32, 16)}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def digits_like_batch(batch_size: int = 12, index: int = 0, seed: int = 0) -> Batch:

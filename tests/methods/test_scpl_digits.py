@@ -9,7 +9,6 @@ the same views and a local classifier of the same width (128)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import edgetrain
 from edgetrain.data import digits_stream, load_digits_split
@@ -24,12 +23,8 @@ OPTIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def digits_accuracy(method: str, epochs: int) -> float:

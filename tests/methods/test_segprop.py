@@ -22,12 +22,8 @@ from edgetrain.models.zoo import run_blocks
 from edgetrain.registry import EdgetrainError
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def digits_resnet(norm: str = "batch", width: int = 8, blocks=(1, 1, 1), seed: int = 0) -> nn.Module:
