@@ -127,7 +127,7 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
     def config(masking: str, p: int, flop_matched: bool, seed: int) -> SubnetDPConfig:
         return SubnetDPConfig(masking=masking, overlap=p, epochs=args.epochs, flop_matched=flop_matched,
                               batch_size=args.accuracy_batch, lr=args.lr, mask_seed=seed, data_seed=seed,
-                              scheduler=args.scheduler)
+                              scheduler=args.scheduler, load_slack=args.load_slack if masking == "block" else None)
 
     def run(key: str, fn) -> None:
         start = time.time()
@@ -174,7 +174,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
             if "SD" in rows:
                 run(f"SD {ratio} {tag}", sd_cell(p, flop_matched))
     return {"dataset": args.dataset, "train_size": len(train[0]), "test_size": len(test[0]), "epochs": args.epochs,
-            "seeds": seeds, "lr": args.lr, "sd_lrs": args.sd_lrs, "scheduler": args.scheduler,
+            "seeds": seeds, "load_slack": args.load_slack, "lr": args.lr, "sd_lrs": args.sd_lrs,
+            "scheduler": args.scheduler,
             "batch": args.accuracy_batch * n,
             "cells": cells}
 
@@ -190,7 +191,8 @@ def accuracy_table(found: dict[str, Any]) -> str:
 
     out = [f"Accuracy (%): {found['dataset']} ({found['train_size']} train / {found['test_size']} test), ResNet "
            f"(digits layout, width 8, GroupNorm 2), N=8 simulated workers, global batch {found['batch']}, lr "
-           f"{found['lr']} {found['scheduler']}, DP {found['epochs']} epochs; seeds {found['seeds']}"]
+           f"{found['lr']} {found['scheduler']}, DP {found['epochs']} epochs; seeds {found['seeds']}"
+           + (f"; BM owners mixed (load_slack {found['load_slack']})" if found.get("load_slack") is not None else "")]
     for tag, title in (("equal", "equal epochs"), ("flop", "FLOP-matched (epochs x N/P)")):
         if not any(k.endswith(tag) for k in cells):
             continue
@@ -278,6 +280,8 @@ def main() -> int:
                         help="accuracy: the stochastic-depth baseline takes the best of these learning rates")
     parser.add_argument("--matching", choices=("equal", "flop", "both"), default="both",
                         help="accuracy: equal epochs, FLOP-matched epochs, or both")
+    parser.add_argument("--load-slack", type=float, default=None,
+                        help="accuracy: block masking with mixing owners (masks.assign_masks load_slack)")
     parser.add_argument("--accuracy-batch", type=int, default=8, help="accuracy: batch per simulated worker")
     parser.add_argument("--align-epochs", type=float, default=10)
     parser.add_argument("--align-every", type=int, default=25)

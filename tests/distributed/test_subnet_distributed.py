@@ -106,3 +106,32 @@ def test_digits_block_masking_at_half_overlap_is_within_1_5_points_of_dp(tmp_pat
     assert ensemble >= dp_acc - 0.015
     assert scaled >= dp_acc - 0.05
     assert unified >= dp_acc - 0.25
+
+
+@pytest.mark.slow
+def test_digits_block_masking_with_mixed_owners_keeps_the_unified_model_near_dp():
+    """The unified model itself at P/N = 0.5, N = 8 (the simulation, which the self-check ties to the
+    torchrun engine step by step), global batch 64, lr 0.05 cosine, DP 10 epochs vs block masking P = 4
+    for 20 (FLOP-matched), with mixing owners (load_slack 0.35). With the balanced default the first
+    four branches and block 4 never share an owner, and the unified model measured 73.5% vs DP 98.9%
+    on this seed; mixed, 97.5%. Over seeds 0-4 the mixed unified model was 0.0-3.1 points below DP
+    (the balanced one 7.8-17.0), so this asserts 4 points, not 1.5. About a minute on two cores."""
+    pytest.importorskip("sklearn")
+    from edgetrain.distributed.subnet.run import load_data
+    from edgetrain.distributed.subnet.trainer import SubnetDPConfig, train_simulated
+    from edgetrain.models.resnet_subnet import digits_subnet_config
+
+    train, test = load_data("digits")
+    common = {"masking": "block", "epochs": 10, "batch_size": 8, "lr": 0.05}
+    dp = train_simulated(digits_subnet_config(), train, test, SubnetDPConfig(overlap=8, **common), 8)
+    bm = train_simulated(digits_subnet_config(), train, test, SubnetDPConfig(overlap=4, load_slack=0.35, **common), 8)
+    assert bm["steps"] == 2 * dp["steps"]
+    dp_acc, unified = dp["test"]["accuracy"], bm["test"]["accuracy"]
+    own, ensemble = bm["test_subnetwork"]["accuracy"], bm["test_ensemble"]["accuracy"]
+    print(f"digits N=8: DP {dp_acc:.4f}; block masking P/N=0.5, load_slack 0.35: unified {unified:.4f}, "
+          f"subnetworks {own:.4f}, ensemble {ensemble:.4f}")
+    assert dp_acc > 0.95
+    assert unified >= dp_acc - 0.04
+    assert ensemble >= dp_acc - 0.015
+    # the price of mixing: each worker's own subnetwork is a little weaker (96.6% here vs 98.1% balanced)
+    assert own >= dp_acc - 0.04

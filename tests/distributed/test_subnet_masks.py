@@ -169,3 +169,45 @@ def test_refuses_models_it_cannot_mask():
         assign_masks(batchnorm, "neuron", 2, 1)
     with pytest.raises(MaskError, match="no `blocks`"):
         assign_masks(torch.nn.Linear(3, 3), "block", 2, 1)
+
+
+def _disjoint_pairs(plan):
+    owners = plan.block_owners
+    return [(j, k) for k in range(len(owners)) for j in range(k) if not owners[j] & owners[k]]
+
+
+def test_balanced_block_owners_keep_blocks_apart_at_half_overlap(layout):
+    """Why the default's unified model is out of distribution at P/N = 0.5 (N = 8, P = 4 and N = 4, P = 2):
+    balancing whole blocks gives the first four branches one owner set disjoint from block 4's, and the
+    last stage complementary owners -- no worker trains those branches together."""
+    for n, p in ((8, 4), (4, 2)):
+        for seed in range(3):
+            plan = assign_masks(layout, "block", n, p, seed=seed)
+            assert _disjoint_pairs(plan) == [(0, 4), (1, 4), (2, 4), (3, 4), (5, 7), (6, 7)], (n, p, seed)
+
+
+def test_load_slack_mixes_block_owners_and_keeps_the_invariant(model, layout):
+    total = sum(p.numel() for p in model.parameters())
+    for slack in (0.0, 0.35, 1.0, 5.0):
+        for n, p in PAIRS:
+            plan = assign_masks(layout, "block", n, p, seed=n + p, load_slack=slack)  # validated: P owners, paths
+            for name, count in owner_counts(plan, model).items():
+                assert bool((count == (n if parameter_role(name, "block")[0] == "replicated" else p)).all())
+            again = assign_masks(layout, "block", n, p, seed=n + p, load_slack=slack)
+            assert again.fingerprint() == plan.fingerprint()
+    for seed in range(5):
+        plan = assign_masks(layout, "block", 8, 4, seed=seed, load_slack=0.35)
+        # every pair of branches now shares an owner but the last stage's, which balance keeps apart
+        # (holding both of its branches would put a worker at 0.76 of the model)
+        assert _disjoint_pairs(plan) == [(6, 7)], seed
+        loads = [plan.worker_parameter_count(model, w) / total for w in range(8)]
+        assert 0.35 <= min(loads) and max(loads) <= 0.6, loads  # the price: a wider memory spread
+    assert assign_masks(layout, "block", 8, 4, seed=0).fingerprint() != \
+        assign_masks(layout, "block", 8, 4, seed=0, load_slack=0.35).fingerprint()
+
+
+@pytest.mark.parametrize("kind,slack,match", [("neuron", 0.35, "block masking only"), ("block", -0.1, ">= 0"),
+                                              ("block", True, ">= 0")])
+def test_load_slack_refusals(layout, kind, slack, match):
+    with pytest.raises(MaskError, match=match):
+        assign_masks(layout, kind, 8, 4, load_slack=slack)

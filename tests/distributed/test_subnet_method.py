@@ -60,11 +60,23 @@ def test_reachable_by_name_from_a_plain_import_edgetrain():
     assert isinstance(learner.method, SubnetDPSimulation) and learner.method.plan.num_workers == 2
 
 
+def test_load_slack_option_reaches_the_plan():
+    model = build_subnet_resnet(digits_subnet_config())
+    options = {"num_workers": 8, "overlap": 4, "masking": "block", "mask_seed": 3, "load_slack": 0.35}
+    learner = edgetrain.Learner(model, method="subnet_dp", lr=0.05, probe=False, method_options=options)
+    expected = assign_masks(model, "block", 8, 4, 3, load_slack=0.35)
+    assert learner.method.plan.fingerprint() == expected.fingerprint()
+    assert expected.fingerprint() != assign_masks(model, "block", 8, 4, 3).fingerprint()
+    assert learner.method.state_dict()["load_slack"] == 0.35
+
+
 @pytest.mark.parametrize("options,match", [({"num_workers": 0}, "num_workers must be a positive integer"),
                                            ({"overlap": 2.0}, "overlap must be a positive integer"),
                                            ({"num_workers": 2, "overlap": 3}, "1 <= P <= N"),
                                            ({"masking": "layer"}, "unknown masking"),
-                                           ({"mask_seed": "a"}, "mask_seed must be an integer")])
+                                           ({"mask_seed": "a"}, "mask_seed must be an integer"),
+                                           ({"load_slack": -1.0}, "load_slack must be a number >= 0"),
+                                           ({"masking": "neuron", "load_slack": 0.35}, "block masking only")])
 def test_bad_options_are_refused_with_the_reason(options, match):
     model = build_subnet_resnet(digits_subnet_config())
     with pytest.raises(EdgetrainError, match=match):

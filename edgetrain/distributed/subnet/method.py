@@ -30,14 +30,15 @@ class SubnetDPSimulation:
     name = "subnet_dp"
 
     def __init__(self, model: nn.Module, num_workers: int = 4, overlap: int = 2, masking: str = "block",
-                 mask_seed: int = 0) -> None:
+                 mask_seed: int = 0, load_slack: float | None = None) -> None:
         for name, value in (("num_workers", num_workers), ("overlap", overlap)):
             positive_int_option("subnet_dp", name, value)
         if isinstance(mask_seed, bool) or not isinstance(mask_seed, int):
             raise TrainingError(f"subnet_dp: mask_seed must be an integer, got {mask_seed!r}")
         self.model = model
-        self.options = {"num_workers": num_workers, "overlap": overlap, "masking": masking, "mask_seed": mask_seed}
-        self.plan = assign_masks(model, masking, num_workers, overlap, mask_seed)
+        self.options = {"num_workers": num_workers, "overlap": overlap, "masking": masking, "mask_seed": mask_seed,
+                        "load_slack": load_slack}
+        self.plan = assign_masks(model, masking, num_workers, overlap, mask_seed, load_slack=load_slack)
         self.params = trainable_parameters(model)
         if len(self.params) != len(list(model.parameters())):
             raise TrainingError("subnet_dp trains every parameter of the ResNet; frozen parameters are not supported")

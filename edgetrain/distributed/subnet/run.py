@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--milestones", type=str, default="0.5,0.75")
     parser.add_argument("--engine", choices=("groups", "dense"), default="groups")
     parser.add_argument("--mask-seed", type=int, default=0)
+    parser.add_argument("--load-slack", type=float, default=None,
+                        help="block masking: mixing owner assignment with this load slack (masks.assign_masks); "
+                             "default: balanced owners")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--check-sync", type=int, default=0, help="check owners agree every K steps")
@@ -125,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train, test = load_data(args.dataset, args.train_limit, args.data_seed, args.data_file)
         config = SubnetDPConfig(masking=args.masking, overlap=args.overlap, mask_seed=args.mask_seed,
-                                data_seed=args.data_seed, batch_size=args.batch_size, epochs=args.epochs,
+                                load_slack=args.load_slack, data_seed=args.data_seed, batch_size=args.batch_size,
+                                epochs=args.epochs,
                                 flop_matched=args.flop_matched, lr=args.lr, lr_min=args.lr_min,
                                 weight_decay=args.weight_decay, scheduler=args.scheduler,
                                 milestones=tuple(float(m) for m in args.milestones.split(",")),

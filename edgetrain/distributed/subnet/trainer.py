@@ -42,6 +42,7 @@ class SubnetDPConfig:
     masking: str = "block"            # "block" or "neuron"
     overlap: int | None = None        # P; None means P = N (data parallelism)
     mask_seed: int = 0
+    load_slack: float | None = None   # block masking: None balanced owners; s >= 0 mixing (masks.assign_masks)
     data_seed: int = 0
     batch_size: int = 16              # per worker
     epochs: float = 30.0              # of the DP run; FLOP-matched runs take N / P times as many
@@ -227,7 +228,8 @@ def train_subnet_dp(model_config: SubnetResNetConfig, train: tuple[torch.Tensor,
     rank, world = dist.get_rank(), dist.get_world_size()
     overlap = config.overlap_for(world)
     model_config = model_config_for(model_config, config.masking, world, overlap)
-    plan = assign_masks(layout_of(model_config), config.masking, world, overlap, config.mask_seed)
+    plan = assign_masks(layout_of(model_config), config.masking, world, overlap, config.mask_seed,
+                        load_slack=config.load_slack)
     fingerprints: list[Any] = [None] * world
     dist.all_gather_object(fingerprints, plan.fingerprint())
     if len(set(fingerprints)) != 1:
@@ -391,7 +393,7 @@ def train_simulated(model_config: SubnetResNetConfig, train: tuple[torch.Tensor,
     model_config = model_config_for(model_config, config.masking, num_workers, overlap)
     model = build_subnet_resnet(model_config)
     method = SubnetDPSimulation(model, num_workers=num_workers, overlap=overlap, masking=config.masking,
-                                mask_seed=config.mask_seed)
+                                mask_seed=config.mask_seed, load_slack=config.load_slack)
     steps = total_steps(config, num_workers, overlap, len(train[0]))
     optimizer, scheduler = make_optimizer(model.parameters(), config, steps)
     stream = ArrayStream(train[0], train[1], batch_size=config.batch_size * num_workers, shuffle=True,
@@ -493,4 +495,5 @@ def train_stochastic_depth(model_config: SubnetResNetConfig, train: tuple[torch.
 
 def plan_for(model_config: SubnetResNetConfig, config: SubnetDPConfig, num_workers: int) -> SubnetPlan:
     overlap = config.overlap_for(num_workers)
-    return assign_masks(layout_of(model_config), config.masking, num_workers, overlap, config.mask_seed)
+    return assign_masks(layout_of(model_config), config.masking, num_workers, overlap, config.mask_seed,
+                        load_slack=config.load_slack)
