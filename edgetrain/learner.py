@@ -313,6 +313,20 @@ class Learner:
             metrics["accuracy"] = correct / total_weight
         return metrics
 
+    def finish(self) -> nn.Module:
+        """End training: the method's own finish step where it has one (SegProp / lw remove their
+        training-only adapters), then forget parameters the model no longer holds, so checkpoints
+        written afterwards do not carry them. Returns the model."""
+        method_finish = getattr(self.method, "finish", None)
+        if callable(method_finish):
+            method_finish()
+        self._forget_parameters_not_in_model()
+        return self.model
+
+    def _forget_parameters_not_in_model(self) -> None:
+        held = {id(p) for p in self.model.parameters()}
+        self.params = {name: p for name, p in self.params.items() if id(p) in held}
+
     # -- checkpoints ---------------------------------------------------------------------------
     def _checkpoint_payload(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors = {f"param/{name}": p.detach() for name, p in self.params.items()}

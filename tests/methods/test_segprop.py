@@ -183,6 +183,29 @@ def test_finished_model_has_no_adapters_and_runs_the_assembled_blocks():
     assert not any(n.startswith("stage_adapters") for n in learner.params)
 
 
+def test_learner_finish_drops_the_adapters_from_its_parameters_and_checkpoints(tmp_path):
+    """The Learner path (no run_schedule): learner.finish() ends the method and forgets what the model
+    no longer holds, so a checkpoint written afterwards has no adapter tensors."""
+    from edgetrain.checkpoint import load_safetensors_checked
+
+    model = digits_resnet()
+    learner = edgetrain.Learner(model, method="segprop", optimizer="adamw", lr=1e-3, probe=False,
+                                method_options={"view": "resnet-paper", "head_blocks": 1, "segments": 3,
+                                                "steps_per_stage": 2})
+    for batch in digits_batches(6):
+        learner.step(batch)
+    assert any(n.startswith("stage_adapters") for n in learner.params)
+    assert learner.finish() is model and not hasattr(model, "stage_adapters")
+    assert not any(n.startswith("stage_adapters") for n in learner.params)
+    assert {id(p) for p in learner.params.values()} <= {id(p) for p in model.parameters()}
+    tensors, _ = load_safetensors_checked(learner.save(tmp_path / "after-finish.safetensors"))
+    assert not any("stage_adapters" in name for name in tensors)
+    plain = edgetrain.Learner(digits_resnet(), method="bp", probe=False)  # no method finish: params kept
+    before = dict(plain.params)
+    plain.finish()
+    assert plain.params == before
+
+
 def test_unknown_method_options_are_named():
     with pytest.raises(EdgetrainError, match="unknown method option.*segmnts"):
         edgetrain.Learner(digits_resnet(), method="segprop", probe=False, method_options={"segmnts": 3})

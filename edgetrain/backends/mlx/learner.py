@@ -115,6 +115,9 @@ class MLXLearner(Learner):
     def params(self) -> dict[str, mx.array]:
         return trainable_parameters(self.model)
 
+    def _forget_parameters_not_in_model(self) -> None:
+        pass  # `params` is read from the model every time
+
     @property
     def weights_bytes(self) -> int:
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))

@@ -28,7 +28,6 @@ from torch import nn
 
 from edgetrain.data.batch import Batch
 from edgetrain.losses import task_loss
-from edgetrain.methods.segprop.trainer import ADAPTERS_ATTRIBUTE
 from edgetrain.registry import EdgetrainError
 
 STAGED_METHODS = ("segprop", "lw")
@@ -182,9 +181,7 @@ def run_schedule(model: nn.Module, stream: Any, method: str = "segprop", *, epoc
         if trainer.snapcheck is not None:
             result.snapcheck = trainer.snapcheck.stats()
         if finish:
-            trainer.finish()
-            # The learner's parameter list (what its checkpoints write) loses the adapters too.
-            learner.params = {n: p for n, p in learner.params.items() if not n.startswith(ADAPTERS_ATTRIBUTE + ".")}
+            learner.finish()
     if evals is not None:
         result.final = evaluate_outputs(model, _plain_forward(model), evals)
     result.learner = learner  # type: ignore[attr-defined]
