@@ -228,8 +228,7 @@ def train_subnet_dp(model_config: SubnetResNetConfig, train: tuple[torch.Tensor,
     rank, world = dist.get_rank(), dist.get_world_size()
     overlap = config.overlap_for(world)
     model_config = model_config_for(model_config, config.masking, world, overlap)
-    plan = assign_masks(layout_of(model_config), config.masking, world, overlap, config.mask_seed,
-                        load_slack=config.load_slack)
+    plan = plan_for(model_config, config, world)
     fingerprints: list[Any] = [None] * world
     dist.all_gather_object(fingerprints, plan.fingerprint())
     if len(set(fingerprints)) != 1:
