@@ -192,7 +192,7 @@ def accuracy_table(found: dict[str, Any]) -> str:
     out = [f"Accuracy (%): {found['dataset']} ({found['train_size']} train / {found['test_size']} test), ResNet "
            f"(digits layout, width 8, GroupNorm 2), N=8 simulated workers, global batch {found['batch']}, lr "
            f"{found['lr']} {found['scheduler']}, DP {found['epochs']} epochs; seeds {found['seeds']}"
-           + (f"; BM owners mixed (load_slack {found['load_slack']})" if found.get("load_slack") is not None else "")]
+           + f"; BM load_slack {found.get('load_slack') if found.get('load_slack') is not None else 'default (0.2)'}"]
     for tag, title in (("equal", "equal epochs"), ("flop", "FLOP-matched (epochs x N/P)")):
         if not any(k.endswith(tag) for k in cells):
             continue
@@ -281,7 +281,7 @@ def main() -> int:
     parser.add_argument("--matching", choices=("equal", "flop", "both"), default="both",
                         help="accuracy: equal epochs, FLOP-matched epochs, or both")
     parser.add_argument("--load-slack", type=float, default=None,
-                        help="accuracy: block masking with mixing owners (masks.assign_masks load_slack)")
+                        help="accuracy: block masking's memory cap (masks.assign_masks load_slack); default 0.2")
     parser.add_argument("--accuracy-batch", type=int, default=8, help="accuracy: batch per simulated worker")
     parser.add_argument("--align-epochs", type=float, default=10)
     parser.add_argument("--align-every", type=int, default=25)

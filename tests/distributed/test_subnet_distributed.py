@@ -37,10 +37,15 @@ def test_per_rank_parameter_and_optimizer_bytes_are_about_p_over_n(selfcheck, ma
         assert held["optimizer"] == held["parameters"] == 4 * found["worker_parameters"]  # fp32 + momentum
         mid = found["state_bytes_mid_step"]  # after the optimizer step, before zero_grad
         assert mid["gradients"] == mid["optimizer"] == mid["parameters"] == 4 * found["worker_parameters"]
-        ratios.append(found["param_plus_optimizer_ratio"])
-        # P/N = 0.5, plus the replicated trunk (stem, head, shortcuts: 2.1-2.3% here) and block granularity
-        assert 0.5 <= found["param_plus_optimizer_ratio"] <= 0.5 + found["replicated_fraction"] + 0.01
-    assert sum(ratios) / len(ratios) < 0.53
+        ratio, trunk = found["param_plus_optimizer_ratio"], found["replicated_fraction"]
+        ratios.append(ratio)
+        # the plan's share of the branches plus the replicated trunk (stem, head, shortcuts: 2.1-2.3% here)
+        if masking == "neuron":  # P/N of every branch's channels
+            assert 0.5 <= ratio <= 0.5 + trunk + 0.01
+        else:  # whole blocks under the memory cap: 1.2 x the balance-first heaviest (0.51 of the branches)
+            assert ratio == pytest.approx(found["branch_load"] * (1 - trunk) + trunk, abs=1e-6)
+            assert ratio <= 1.2 * 0.51 + trunk
+    assert sum(ratios) / len(ratios) == pytest.approx(0.5 + trunk / 2, abs=0.005)  # P/N on average
 
 
 @pytest.mark.parametrize("masking", ["block", "neuron"])
@@ -83,11 +88,11 @@ def test_torchrun_entry_point(tmp_path):
 @pytest.mark.slow
 def test_digits_block_masking_at_half_overlap_is_within_1_5_points_of_dp(tmp_path):
     """N = 4 torchrun processes, batch 16 each (global 64), lr 0.05 cosine: DP for 10 epochs vs block
-    masking P = 2 for 20 (FLOP-matched). About 80 s on two busy cores; each launch is bounded by its
-    timeout. Within 1.5 points of DP (asserted): the workers' own subnetworks (mean) and their softmax
-    ensemble. The unified full model (every branch at once, a combination no worker trained) is not:
-    measured 81.6% vs DP 98.1% (95.3% with stochastic depth's test rule, branches x P/N). Those two
-    are asserted only to stay within 25 / 5 points, so a regression in the unified model still fails."""
+    masking P = 2 for 20 (FLOP-matched), default owners (memory cap 1.2x; only the last stage's two
+    branches are held by no common worker). About 80 s on two cores; each launch is bounded by its
+    timeout. The unified full model (what is evaluated) and the workers' softmax ensemble must end
+    within 1.5 points of DP. Each worker's own subnetwork is weaker (measured 95.5% vs DP 98.6% in the
+    one-process simulation of this run), asserted within 5."""
     pytest.importorskip("sklearn")
     data = save_data_file(tmp_path / "digits.pt", "digits")
     common = ["--data-file", str(data), "--epochs", "10", "--lr", "0.05", "--batch-size", "16"]
@@ -95,43 +100,46 @@ def test_digits_block_masking_at_half_overlap_is_within_1_5_points_of_dp(tmp_pat
     bm = launch_local(4, [*common, "--masking", "block", "--overlap", "2"], timeout=900)
     dp_acc = dp[0]["test"]["accuracy"]
     unified = bm[0]["test"]["accuracy"]
-    scaled = bm[0]["test_branch_scaled"]["accuracy"]
     own = sum(r["test_subnetwork"]["accuracy"] for r in bm) / len(bm)
     ensemble = bm[0]["test_ensemble"]["accuracy"]
     print(f"digits: DP {dp_acc:.4f}; block masking P/N=0.5: unified {unified:.4f}, "
-          f"branches x P/N {scaled:.4f}, subnetworks {own:.4f}, ensemble {ensemble:.4f}")
+          f"branches x P/N {bm[0]['test_branch_scaled']['accuracy']:.4f}, subnetworks {own:.4f}, "
+          f"ensemble {ensemble:.4f}")
     assert bm[0]["steps"] == 2 * dp[0]["steps"] == 2 * 10 * (1437 // 64)
     assert dp_acc > 0.95
-    assert own >= dp_acc - 0.015
+    assert unified >= dp_acc - 0.015
     assert ensemble >= dp_acc - 0.015
-    assert scaled >= dp_acc - 0.05
-    assert unified >= dp_acc - 0.25
+    assert own >= dp_acc - 0.05
 
 
 @pytest.mark.slow
-def test_digits_block_masking_with_mixed_owners_keeps_the_unified_model_near_dp():
-    """The unified model itself at P/N = 0.5, N = 8 (the simulation, which the self-check ties to the
+def test_digits_block_masking_unified_model_is_within_1_5_points_of_dp_over_seeds():
+    """The paper's N = 8 at P/N = 0.5 (the one-process simulation, which the self-check ties to the
     torchrun engine step by step), global batch 64, lr 0.05 cosine, DP 10 epochs vs block masking P = 4
-    for 20 (FLOP-matched), with mixing owners (load_slack 0.35). With the balanced default the first
-    four branches and block 4 never share an owner, and the unified model measured 73.5% vs DP 98.9%
-    on this seed; mixed, 97.5%. Over seeds 0-4 the mixed unified model was 0.0-3.1 points below DP
-    (the balanced one 7.8-17.0), so this asserts 4 points, not 1.5. About a minute on two cores."""
+    for 20 (FLOP-matched), default owners, seeds 0-2 (model init, data order and masks). DP itself
+    moves by up to 2.5 points between seeds on this 360-image test set (one image is 0.28 points), so
+    the criterion is on the mean over seeds; each seed is held to 3 points. With balance-first owners
+    (the earlier default) the unified model was 9.5-25.4 points below DP on these seeds. About 80 s."""
     pytest.importorskip("sklearn")
     from edgetrain.distributed.subnet.run import load_data
     from edgetrain.distributed.subnet.trainer import SubnetDPConfig, train_simulated
     from edgetrain.models.resnet_subnet import digits_subnet_config
 
     train, test = load_data("digits")
-    common = {"masking": "block", "epochs": 10, "batch_size": 8, "lr": 0.05}
-    dp = train_simulated(digits_subnet_config(), train, test, SubnetDPConfig(overlap=8, **common), 8)
-    bm = train_simulated(digits_subnet_config(), train, test, SubnetDPConfig(overlap=4, load_slack=0.35, **common), 8)
-    assert bm["steps"] == 2 * dp["steps"]
-    dp_acc, unified = dp["test"]["accuracy"], bm["test"]["accuracy"]
-    own, ensemble = bm["test_subnetwork"]["accuracy"], bm["test_ensemble"]["accuracy"]
-    print(f"digits N=8: DP {dp_acc:.4f}; block masking P/N=0.5, load_slack 0.35: unified {unified:.4f}, "
-          f"subnetworks {own:.4f}, ensemble {ensemble:.4f}")
-    assert dp_acc > 0.95
-    assert unified >= dp_acc - 0.04
-    assert ensemble >= dp_acc - 0.015
-    # the price of mixing: each worker's own subnetwork is a little weaker (96.6% here vs 98.1% balanced)
-    assert own >= dp_acc - 0.04
+    dp_accs, unified, ensembles = [], [], []
+    for seed in range(3):
+        common = {"masking": "block", "epochs": 10, "batch_size": 8, "lr": 0.05, "mask_seed": seed, "data_seed": seed}
+        model = digits_subnet_config(seed=seed)
+        dp = train_simulated(model, train, test, SubnetDPConfig(overlap=8, **common), 8)
+        bm = train_simulated(model, train, test, SubnetDPConfig(overlap=4, **common), 8)
+        assert bm["steps"] == 2 * dp["steps"] and bm["plan"].branches_apart() == [(6, 7)]
+        dp_accs.append(dp["test"]["accuracy"])
+        unified.append(bm["test"]["accuracy"])
+        ensembles.append(bm["test_ensemble"]["accuracy"])
+        print(f"seed {seed}: DP {dp_accs[-1]:.4f}; block masking P/N=0.5 unified {unified[-1]:.4f}, "
+              f"subnetworks {bm['test_subnetwork']['accuracy']:.4f}, ensemble {ensembles[-1]:.4f}")
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert min(dp_accs) > 0.95
+    assert mean(unified) >= mean(dp_accs) - 0.015
+    assert mean(ensembles) >= mean(dp_accs) - 0.015
+    assert all(u >= d - 0.03 for u, d in zip(unified, dp_accs))

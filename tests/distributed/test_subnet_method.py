@@ -62,12 +62,12 @@ def test_reachable_by_name_from_a_plain_import_edgetrain():
 
 def test_load_slack_option_reaches_the_plan():
     model = build_subnet_resnet(digits_subnet_config())
-    options = {"num_workers": 8, "overlap": 4, "masking": "block", "mask_seed": 3, "load_slack": 0.35}
+    options = {"num_workers": 8, "overlap": 4, "masking": "block", "mask_seed": 3, "load_slack": 0.0}
     learner = edgetrain.Learner(model, method="subnet_dp", lr=0.05, probe=False, method_options=options)
-    expected = assign_masks(model, "block", 8, 4, 3, load_slack=0.35)
+    expected = assign_masks(model, "block", 8, 4, 3, load_slack=0.0)
     assert learner.method.plan.fingerprint() == expected.fingerprint()
-    assert expected.fingerprint() != assign_masks(model, "block", 8, 4, 3).fingerprint()
-    assert learner.method.state_dict()["load_slack"] == 0.35
+    assert expected.fingerprint() != assign_masks(model, "block", 8, 4, 3).fingerprint()  # the default is 0.2
+    assert learner.method.state_dict()["load_slack"] == 0.0
 
 
 @pytest.mark.parametrize("options,match", [({"num_workers": 0}, "num_workers must be a positive integer"),

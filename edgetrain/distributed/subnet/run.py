@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("groups", "dense"), default="groups")
     parser.add_argument("--mask-seed", type=int, default=0)
     parser.add_argument("--load-slack", type=float, default=None,
-                        help="block masking: mixing owner assignment with this load slack (masks.assign_masks); "
-                             "default: balanced owners")
+                        help="block masking: no worker holds more than (1 + S) x the balance-first assignment's "
+                             "heaviest; within that, owners that leave the fewest branch pairs untrained together "
+                             "(masks.assign_masks); default 0.2, 0 for balance first")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--check-sync", type=int, default=0, help="check owners agree every K steps")

@@ -68,6 +68,7 @@ def check_masking(masking: str, overlap: int, steps: int, batch_size: int, width
         meta = build_meta(model_config)
     out["plan_worker_parameters"] = plan.worker_parameter_count(meta, rank)
     out["replicated_fraction"] = plan.replicated_fraction(meta)
+    out["branch_load"] = plan.branch_load(rank)  # this rank's share of the residual-branch parameters
     for step in range(steps):
         batch = stream.batch(step)
         rows = slice(rank * batch_size, (rank + 1) * batch_size)

@@ -42,7 +42,7 @@ class SubnetDPConfig:
     masking: str = "block"            # "block" or "neuron"
     overlap: int | None = None        # P; None means P = N (data parallelism)
     mask_seed: int = 0
-    load_slack: float | None = None   # block masking: None balanced owners; s >= 0 mixing (masks.assign_masks)
+    load_slack: float | None = None   # block masking's memory cap (masks.assign_masks); None: the default 0.2
     data_seed: int = 0
     batch_size: int = 16              # per worker
     epochs: float = 30.0              # of the DP run; FLOP-matched runs take N / P times as many
