@@ -35,8 +35,8 @@ of its branch parameters), and what is evaluated is the unified model: every bra
 balance-first assignment (largest block first to the P lightest workers) has a cost there. On the
 digits ResNet at P/N = 0.5 it gives, at every seed, the first four branches one owner set disjoint
 from block 4's: no worker ever trains block 4 on features the first two stages have processed, and
-the unified model, which runs them together, is out of distribution (digits, N = 8, seeds 0-2:
-10-25 points below DP; N = 4, seeds 0-4: 5-17). So block owners come from a seeded local search
+the unified model, which runs them together, is out of distribution (digits, N = 8, seeds 0-4:
+7.8-25.4 points below DP; N = 4, seeds 0-4: 5.3-16.7). So block owners come from a seeded local search
 under a memory cap: no worker may hold more than (1 + load_slack) times the heaviest worker of the
 balance-first assignment (the cap is relative to what whole blocks allow, not to P/N itself:
 ResNet-18's last branch alone is 0.43 of the branches, above P/N = 0.375). The default load_slack
@@ -420,12 +420,13 @@ def _balanced_block_owners(layout: ResNetLayout, n: int, p: int,
 def _search_block_owners(layout: ResNetLayout, n: int, p: int, start: Sequence[frozenset[int]],
                          load_slack: float, seed: int) -> tuple[frozenset[int], ...]:
     """Seeded local search over block owners (see module doc). The score, compared lexicographically:
-    (workers holding no block, load above the cap, pairs of branches with no common owner, the heaviest
-    worker's load, pairs of workers with identical blocks, max - min load). A move hands one block from an owner to a
-    non-owner; moves that do not worsen the score are kept (plateaus are walked), a worse one 1% of
-    the time; the best assignment seen is returned."""
+    (workers holding no block, load above the cap, pairs of branches with no common owner, the
+    heaviest worker's load, pairs of workers with identical blocks, max - min load). A move hands one
+    block from an owner to a non-owner; moves that do not worsen the score are kept (plateaus are
+    walked), a worse one 1% of the time; the best assignment seen is returned."""
     sizes = layout.branch_parameters
     blocks = layout.num_blocks
+
     def heaviest(owners: Sequence[frozenset[int]]) -> int:
         return max(sum(sizes[k] for k, members in enumerate(owners) if w in members) for w in range(n))
 
