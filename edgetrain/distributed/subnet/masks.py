@@ -427,30 +427,31 @@ def _search_block_owners(layout: ResNetLayout, n: int, p: int, start: Sequence[f
     sizes = layout.branch_parameters
     blocks = layout.num_blocks
 
-    def heaviest(owners: Sequence[frozenset[int]]) -> int:
-        return max(sum(sizes[k] for k, members in enumerate(owners) if w in members) for w in range(n))
-
-    # The cap is relative to the balance-first assignment's heaviest worker, not to P/N itself: whole
-    # blocks may not allow P/N (ResNet-18's last branch alone is 0.43 of the branches, above 0.375).
-    cap = (1.0 + load_slack) * heaviest(start)
+    if p == n:
+        return tuple(frozenset(range(n)) for _ in range(blocks))
     pairs = [(j, k) for k in range(blocks) for j in range(k)]
     rng = random.Random(f"subnet-block-owners/{seed}")
 
-    def score(owners: list[int]) -> tuple:
-        load = [0] * n
-        held = [0] * n  # bit k: worker holds block k
+    def loads_and_holdings(owners: list[int]) -> tuple[list[int], list[int]]:
+        load, held = [0] * n, [0] * n  # held: bit k set when the worker holds block k
         for k, members in enumerate(owners):
             for w in range(n):
                 if members >> w & 1:
                     load[w] += sizes[k]
                     held[w] |= 1 << k
+        return load, held
+
+    initial = [sum(1 << w for w in members) for members in start]
+    # The cap is relative to the balance-first assignment's heaviest worker, not to P/N itself: whole
+    # blocks may not allow P/N (ResNet-18's last branch alone is 0.43 of the branches, above 0.375).
+    cap = (1.0 + load_slack) * max(loads_and_holdings(initial)[0])
+
+    def score(owners: list[int]) -> tuple:
+        load, held = loads_and_holdings(owners)
         return (sum(h == 0 for h in held), max(0.0, max(load) - cap),
                 sum(not owners[j] & owners[k] for j, k in pairs),
                 max(load), len(held) - len(set(held)), max(load) - min(load))
 
-    if p == n:
-        return tuple(frozenset(range(n)) for _ in range(blocks))
-    initial = [sum(1 << w for w in members) for members in start]
     best_owners, best = list(initial), score(initial)
     for _ in range(_SEARCH_RESTARTS):
         owners, current = list(initial), score(initial)

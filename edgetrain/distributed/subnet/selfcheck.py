@@ -30,10 +30,9 @@ import torch.nn.functional as F
 
 from edgetrain.data.arrays import ArrayStream
 from edgetrain.distributed.subnet.averaging import MaskedAverager, gather_full_state
-from edgetrain.distributed.subnet.masks import assign_masks
 from edgetrain.distributed.subnet.method import SubnetDPSimulation
 from edgetrain.distributed.subnet.subnetwork import materialise_subnetwork, state_bytes
-from edgetrain.distributed.subnet.trainer import SubnetDPConfig, layout_of, make_optimizer, model_config_for
+from edgetrain.distributed.subnet.trainer import SubnetDPConfig, make_optimizer, model_config_for, plan_for
 from edgetrain.models.resnet_subnet import build_subnet_resnet, digits_subnet_config
 
 
@@ -50,7 +49,7 @@ def check_masking(masking: str, overlap: int, steps: int, batch_size: int, width
     rank, world = dist.get_rank(), dist.get_world_size()
     config = SubnetDPConfig(masking=masking, overlap=overlap, batch_size=batch_size, lr=0.05, warmup_fraction=0.0)
     model_config = model_config_for(digits_subnet_config(width=width), masking, world, overlap)
-    plan = assign_masks(layout_of(model_config), masking, world, overlap, config.mask_seed)
+    plan = plan_for(model_config, config, world)
     subnet = materialise_subnetwork(model_config, plan, rank)
     optimizer, scheduler = make_optimizer(subnet.parameters(), config, steps)
     averager = MaskedAverager(subnet, engine="groups")
@@ -150,7 +149,7 @@ def check_ddp_parity(steps: int, batch_size: int, width: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = SubnetDPConfig(masking="block", overlap=world, batch_size=batch_size, lr=0.05)
     model_config = model_config_for(digits_subnet_config(width=width), "block", world, world)
-    plan = assign_masks(layout_of(model_config), "block", world, world, 0)
+    plan = plan_for(model_config, config, world)
     subnet = materialise_subnetwork(model_config, plan, rank)
     optimizer, scheduler = make_optimizer(subnet.parameters(), config, steps)
     averager = MaskedAverager(subnet)
