@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -118,11 +117,6 @@ def parse_methods(text: str) -> list[str]:
     return chosen
 
 
-def torchrun_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
-
-
 def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     if set(a) != set(b):
         raise RuntimeError(f"the two runs hold different tensors: only one side has {sorted(set(a) ^ set(b))[:5]}")
@@ -154,7 +148,6 @@ def segprop_parity(steps: int, timeout: float) -> Parity:
     from safetensors.torch import load_file
 
     from edgetrain.data import make_stream
-    from edgetrain.distributed.subnet.run import torchrun_command
     from edgetrain.methods.segprop import run_schedule
     from edgetrain.models.resnet import ResNetConfig, build_resnet
 
@@ -166,7 +159,7 @@ def segprop_parity(steps: int, timeout: float) -> Parity:
                 "--data-options", json.dumps(data), "--batch-size", str(cfg["batch"]),
                 "--steps-per-stage", str(steps), "--optimizer", "sgd", "--lr", str(cfg["lr"]),
                 "--method-options", json.dumps(cfg["options"]), "--backend", "gloo", "--out", str(out)]
-        run_torchrun(torchrun_command(2, "edgetrain.distributed.ddp_segprop", argv), timeout)
+        run_torchrun(2, "edgetrain.distributed.ddp_segprop", argv, timeout)
         distributed = load_file(out)
         report = json.loads(out.with_suffix(".json").read_text())
 
@@ -312,13 +305,13 @@ def subnet_worker(args: argparse.Namespace) -> int:
 
 # -- driver ------------------------------------------------------------------------------------------
 
-def run_torchrun(command: list[str], timeout: float) -> None:
-    try:
-        done = subprocess.run(command, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"torchrun did not finish in {timeout:.0f} s: {' '.join(command)}") from None
+def run_torchrun(num_workers: int, module: str, argv: list[str], timeout: float) -> None:
+    from edgetrain.distributed import launch
+
+    done = launch.run_torchrun(num_workers, module, argv, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"torchrun failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"torchrun {module} with {num_workers} workers failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-4000:]}")
 
 
 RUNNERS = {"segprop": segprop_parity, "scpl": scpl_parity, "subnet": subnet_parity}
@@ -334,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"server_parity: --steps must be at least 1, got {args.steps}")
     torch.set_num_threads(1)  # the same kernels and summation order as the one-thread ranks
     # launch_local's children must import this file as `samples.server_parity` wherever edgetrain lives.
-    os.environ["PYTHONPATH"] = torchrun_env()["PYTHONPATH"]
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     print(f"tolerance: |weight diff| <= {WEIGHT_TOLERANCE:g}, |loss diff| <= {LOSS_TOLERANCE:g}, "
           f"held-out accuracies within 1/{TEST_EXAMPLES}")
     results = []

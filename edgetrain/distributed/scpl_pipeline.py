@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from edgetrain.data.batch import Batch
+from edgetrain.distributed.launch import run_torchrun
 from edgetrain.registry import EdgetrainError
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int64: 4,
@@ -354,27 +354,21 @@ def _component_state(model: torch.nn.Module, component: Any) -> dict[str, torch.
 
 def launch(config: PipelineConfig, nproc: int, *, timeout: float = 600, threads_env: int | None = None,
            python: str = sys.executable) -> dict[str, Any]:
-    """Run the pipeline with `nproc` workers under torchrun (--standalone) and return rank 0's report.
-    OMP_NUM_THREADS is set to `config.threads` in the workers."""
+    """Run the pipeline with `nproc` workers under torchrun (edgetrain.distributed.launch) and return rank 0's
+    report. OMP_NUM_THREADS is set to `config.threads` in the workers."""
     with tempfile.TemporaryDirectory(prefix="scpl-pipeline-") as tmp:
         config_path, report_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
         payload = asdict(config)
         payload["report"] = str(report_path)
         config_path.write_text(json.dumps(payload))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads_env or config.threads),
-                   MKL_NUM_THREADS=str(threads_env or config.threads))
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   "-m", "edgetrain.distributed.scpl_pipeline", "--config", str(config_path)]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise EdgetrainError(f"scpl_pipeline with {nproc} workers did not finish in {timeout:.0f} s") from exc
+        done = run_torchrun(nproc, "edgetrain.distributed.scpl_pipeline", ["--config", str(config_path)],
+                            timeout=timeout, threads_per_worker=threads_env or config.threads, python=python)
         if done.returncode != 0 or not report_path.is_file():
             raise EdgetrainError(f"scpl_pipeline with {nproc} workers failed (exit {done.returncode}):\n"
                                  f"{done.stderr[-4000:]}")
-        return json.loads(report_path.read_text())
+        report = json.loads(report_path.read_text())
+    report["launch_attempts"] = done.attempts  # 2 when a worker died of a signal and the run was repeated
+    return report
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,21 +8,18 @@ gradient is ~0 (directions GroupNorm cancels) into steps of size lr.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from edgetrain.data import make_stream
+from edgetrain.distributed.launch import run_torchrun
 from edgetrain.methods.segprop import run_schedule
 from edgetrain.models.resnet import ResNetConfig, build_resnet
+from edgetrain.registry import EdgetrainError
 
-REPO = Path(__file__).resolve().parents[2]
 RESNET = {"in_channels": 1, "width": 8, "norm": "group", "blocks_per_stage": [1, 1, 1], "num_classes": 10}
 DATA = {"image": True, "shuffle": False}
 GLOBAL_BATCH, STEPS, LR = 16, 4, 0.2
@@ -54,20 +51,17 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path, method):
     if reason:
         pytest.skip(reason)
     out = tmp_path / "ddp.safetensors"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "-m", "edgetrain.distributed.ddp_segprop", "--method", method, "--resnet", json.dumps(RESNET),
-               "--data", "digits", "--data-options", json.dumps(DATA), "--batch-size", str(GLOBAL_BATCH),
-               "--steps-per-stage", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
-               "--method-options", json.dumps(OPTIONS), "--backend", "gloo", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    argv = ["--method", method, "--resnet", json.dumps(RESNET), "--data", "digits", "--data-options", json.dumps(DATA),
+            "--batch-size", str(GLOBAL_BATCH), "--steps-per-stage", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
+            "--method-options", json.dumps(OPTIONS), "--backend", "gloo", "--out", str(out)]
     try:
-        run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired:
-        pytest.fail("torchrun with 2 gloo ranks did not finish in 400 s")
+        run = run_torchrun(2, "edgetrain.distributed.ddp_segprop", argv, timeout=400, cwd=tmp_path)
+    except EdgetrainError as exc:
+        pytest.fail(str(exc))
     if run.returncode != 0:
         text = run.stdout + run.stderr
-        if any(s in text for s in ("Address already in use", "Connection refused", "Cannot assign requested address",
-                                   "gloo", "Gloo")) and not out.exists():
+        if any(s in text for s in ("Address already in use", "Connection refused", "Cannot assign requested address")) \
+                and not out.exists():
             pytest.skip(f"gloo could not connect two processes on localhost:\n{text[-1500:]}")
         pytest.fail(f"torchrun failed ({run.returncode}):\n{text[-4000:]}")
     from safetensors.torch import load_file

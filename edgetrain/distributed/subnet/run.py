@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from edgetrain.distributed.launch import run_torchrun
 
 DATASETS = ("digits", "fashion-mnist", "random-cifar")
 
@@ -156,22 +157,14 @@ def save_data_file(path: Path, name: str = "digits", train_limit: int | None = N
     return path
 
 
-def torchrun_command(num_workers: int, module: str, argv: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_workers}",
-            "-m", module, *argv]
-
-
 def launch_local(num_workers: int, argv: Sequence[str], *, module: str = "edgetrain.distributed.subnet.run",
                  timeout: float = 600, threads_per_worker: int = 1) -> list[dict[str, Any]]:
-    """Run `module` under torchrun with N processes on localhost and return rank 0's JSON list.
-    Children get OMP_NUM_THREADS=threads_per_worker (N processes share the cores)."""
+    """Run `module` under torchrun with N processes on localhost (edgetrain.distributed.launch) and return
+    rank 0's JSON list. Children get OMP_NUM_THREADS=threads_per_worker (N processes share the cores)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_worker), "MKL_NUM_THREADS": str(threads_per_worker),
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[3]),
-                                              os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        proc = subprocess.run(torchrun_command(num_workers, module, [*argv, "--json", str(out)]), env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = run_torchrun(num_workers, module, [*argv, "--json", str(out)], timeout=timeout,
+                            threads_per_worker=threads_per_worker)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"torchrun {module} with {num_workers} workers failed (exit {proc.returncode}):\n"
                                f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

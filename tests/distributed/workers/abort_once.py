@@ -1,0 +1,34 @@
+"""A torchrun worker for tests/distributed/test_launch.py. argv: OUT MARKER [python-error].
+
+The first run (MARKER absent) creates MARKER and rank 1 dies of SIGABRT -- what a C++ abort in the
+transport looks like: no Python traceback. With "python-error" rank 1 raises instead. Later runs meet at
+a barrier and rank 0 writes {"world_size"} to OUT."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def main() -> int:
+    out, marker = Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    try:
+        if dist.get_rank() == 1 and not marker.exists():
+            marker.write_text("the first run died here")
+            if sys.argv[3:] == ["python-error"]:
+                raise ValueError("a bug of the worker's own")
+            os.abort()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            out.write_text(json.dumps({"world_size": dist.get_world_size()}))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
