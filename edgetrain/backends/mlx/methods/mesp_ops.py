@@ -17,7 +17,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgetrain.backends.mlx.model import rms_norm as rms_norm_forward
+from edgetrain.backends.mlx.model import rms_norm as rms_norm_forward  # noqa: F401 -- mesp.py imports it from here
 from edgetrain.backends.mlx.model import rotate_half
 from edgetrain.backends.mlx.quantize import QuantizedLinear
 
