@@ -117,13 +117,9 @@ def run_torchrun(num_workers: int, module: str, argv: Sequence[str], *, timeout:
     command = torchrun_command(num_workers, module, argv, python=python)
     what = f"torchrun {module} with {num_workers} workers"
     env = worker_env(threads_per_worker)
-    reason = None
-    for attempt in range(1, retries + 2):
-        done = _run_once(command, env, cwd, timeout, what)
-        death = signal_death(done.stderr) if done.returncode != 0 else None
-        if death is None or attempt == retries + 1:
-            return TorchrunResult(done.returncode, done.stdout, done.stderr, attempt, reason)
-        reason = death
+    done, attempts, reason = _run_once(command, env, cwd, timeout, what), 1, None
+    while done.returncode != 0 and attempts <= retries and (death := signal_death(done.stderr)):
         warnings.warn(f"{what}: {death} (no Python error); running it again from the start", RuntimeWarning,
                       stacklevel=2)
-    raise AssertionError("unreachable")
+        done, attempts, reason = _run_once(command, env, cwd, timeout, what), attempts + 1, death
+    return TorchrunResult(done.returncode, done.stdout, done.stderr, attempts, reason)

@@ -3,12 +3,19 @@ once (with a warning), a worker's own Python error is not; a timeout leaves no w
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from edgetrain.distributed.launch import run_torchrun, signal_death, torchrun_command
+from edgetrain.distributed.launch import (
+    REPO_ROOT,
+    run_torchrun,
+    signal_death,
+    torchrun_command,
+    worker_env,
+)
 from edgetrain.registry import EdgetrainError
 
 WORKERS = str(Path(__file__).resolve().parent / "workers")
@@ -42,6 +49,17 @@ def test_the_command_runs_the_module_standalone():
         "py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "pkg.mod", "--x", "1"]
     with pytest.raises(EdgetrainError, match="at least one worker"):
         torchrun_command(0, "m", [])
+    with pytest.raises(EdgetrainError, match="retries must be >= 0"):
+        run_torchrun(1, "m", [], timeout=1, retries=-1)
+
+
+def test_workers_get_the_thread_count_and_the_repository_on_their_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = worker_env(3)
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert worker_env()["PYTHONPATH"] == str(REPO_ROOT)
 
 
 def test_signal_deaths_are_told_from_python_errors_and_the_launchers_sigterm():
