@@ -41,17 +41,40 @@ def test_malformed_batches_are_refused_naming_the_index(batch, options, message)
     assert isinstance(error.value, EdgetrainError)
 
 
-def test_well_formed_batches_pass():
-    validate_batch(Batch(torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, -100]]), 0), vocab_size=151_936)
-    validate_batch(Batch(torch.rand(4, 64), torch.tensor([0, 9, 3, 3]), 1), expect_float=True, num_classes=10)
-    validate_batch(Batch(torch.tensor([[5, 6], [7, 8]]), torch.tensor([0, 1]), 2), vocab_size=10, task="classify")
-    validate_batch(Batch(torch.rand(2, 3).half(), torch.tensor([0, 1]), 3))
+# (good batch, options, the same batch with one value made bad): the good one must pass and its twin
+# must not, so a validator that accepts everything (or refuses everything) fails here.
+_GOOD_AND_BROKEN = [
+    (Batch(torch.tensor([[1, 2, 3]]), torch.tensor([[2, 3, -100]]), 0), dict(vocab_size=151_936),
+     lambda b: Batch(b.inputs.clone().fill_(151_936), b.targets, b.index)),
+    (Batch(torch.rand(4, 64), torch.tensor([0, 9, 3, 3]), 1), dict(expect_float=True, num_classes=10),
+     lambda b: Batch(b.inputs, torch.tensor([0, 10, 3, 3]), b.index)),
+    (Batch(torch.tensor([[5, 6], [7, 8]]), torch.tensor([0, 1]), 2), dict(vocab_size=10, task="classify"),
+     lambda b: Batch(b.inputs, torch.tensor([0, -1]), b.index)),
+    (Batch(torch.rand(2, 3).half(), torch.tensor([0, 1]), 3), {},
+     lambda b: Batch(b.inputs.clone().fill_(float("inf")), b.targets, b.index)),
+]
+
+
+@pytest.mark.parametrize("good,options,break_it", _GOOD_AND_BROKEN)
+def test_well_formed_batches_pass(good, options, break_it):
+    assert validate_batch(good, **options) is None
+    with pytest.raises(BadBatchError, match=f"^batch {good.index}: "):
+        validate_batch(break_it(good), **options)
+
+
+def _stream_batches():
+    yield from (("text", b, dict(vocab_size=256, expect_float=False))
+                for b in itertools.islice(text_stream(seq_len=16, batch_size=2, shuffle=True), 5))
+    yield from (("text-large-vocab", b, dict(vocab_size=151_936, task="lm"))
+                for b in TextStream("x" * 100, seq_len=9, batch_size=2, vocab_size=151_936, epochs=1))
+    yield from (("digits", b, dict(expect_float=True, num_classes=10, task="classify"))
+                for b in itertools.islice(digits_stream(batch_size=8, image=True), 5))
 
 
 def test_every_stream_batch_is_valid():
-    for batch in itertools.islice(text_stream(seq_len=16, batch_size=2, shuffle=True), 5):
-        validate_batch(batch, vocab_size=256, expect_float=False)
-    for batch in TextStream("x" * 100, seq_len=9, batch_size=2, vocab_size=151_936, epochs=1):
-        validate_batch(batch, vocab_size=151_936, task="lm")
-    for batch in itertools.islice(digits_stream(batch_size=8, image=True), 5):
-        validate_batch(batch, expect_float=True, num_classes=10, task="classify")
+    seen: dict[str, int] = {}
+    for name, batch, options in _stream_batches():
+        validate_batch(batch, **options)  # raises BadBatchError on a malformed batch
+        seen[name] = seen.get(name, 0) + 1
+    # Every stream produced batches (an empty stream would pass the loop above vacuously).
+    assert seen["text"] == 5 and seen["digits"] == 5 and seen["text-large-vocab"] >= 1, seen
