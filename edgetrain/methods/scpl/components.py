@@ -145,8 +145,9 @@ def example_batch(model: nn.Module, example_inputs: torch.Tensor | None) -> torc
     except (TypeError, AttributeError):
         raise EdgetrainError(f"cannot read {type(model).__name__}'s input shape from a config; pass "
                              "method_options={'example_inputs': a small batch of inputs}") from None
-    device = next(model.parameters()).device
-    return example.to(device)
+    reference = next(model.parameters())
+    # Features and images in the model's dtype: a float64 or bf16 model refuses float32 inputs.
+    return example.to(reference.device, dtype=reference.dtype if example.is_floating_point() else None)
 
 
 @dataclass

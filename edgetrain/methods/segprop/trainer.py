@@ -190,7 +190,8 @@ class StagedTrainer:
 
             example_input = zoo_example(model, 2, 8)
         if isinstance(example_input, torch.Tensor):
-            example_input = example_input.to(device)
+            # Features and images in the model's dtype: a float64 or bf16 model refuses float32 inputs.
+            example_input = example_input.to(device, dtype=dtype if example_input.is_floating_point() else None)
         if balance not in BALANCES:
             raise EdgetrainError(f"{name}: unknown balance {balance!r}; known: {', '.join(BALANCES)}")
         self.unit_costs = probe_activation_bytes(self.view, example_input) if balance == "memory" else None
