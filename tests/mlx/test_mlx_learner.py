@@ -78,7 +78,9 @@ def test_non_finite_gradient_keeps_the_last_good_weights():
                          method_options={"fused_update": True})
     learner.step(stream().batch(0))
     good = {n: np.array(p) for n, p in trainable_parameters(learner.model).items()}
-    # Poison one adapter in the middle of the model: the fused update fails part-way through the walk.
+    # Poison one adapter in the middle of the model: the loss itself is NaN, so the step is refused
+    # before any block is updated. (A NaN found part-way through the fused walk, after later blocks
+    # were updated, is tests/mlx/test_mlx_step_formulas.py's rollback test.)
     from edgetrain.backends.mlx.lora import set_parameters
 
     name = "blocks.1.mlp.up_proj.lora_b"
