@@ -10,6 +10,7 @@ the probe; where tensors live belongs to the backend.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -26,14 +27,17 @@ from edgetrain import backends as _backends  # noqa: F401  (registers backends)
 from edgetrain import methods as _methods  # noqa: F401  (registers methods)
 from edgetrain.backends import get_backend
 from edgetrain.checkpoint import (atomic_save_safetensors, flatten_optimizer_state, load_latest_good,
-                                  load_safetensors_checked, save_rotating, unflatten_optimizer_state)
+                                  load_safetensors_checked, metadata_json, save_rotating,
+                                  unflatten_optimizer_state)
 from edgetrain.data.batch import Batch
-from edgetrain.data.validate import validate_batch
+from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.losses import task_loss
+from edgetrain.finite_steps import FiniteOptimizerSteps
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
 from edgetrain.probes.base import observing_context, settle_memory
 from edgetrain.registry import EdgetrainError
+from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
 
 CHECKPOINT_FORMAT = "edgetrain-learner-1"
 __all__ = ["Learner", "MemoryBudgetError", "StepStats", "TrainingError", "parse_bytes"]
@@ -90,6 +94,7 @@ class StepStats:
     seconds: float
     peak_bytes: int | None  # peak above the pre-step baseline, as read by `probe`; None if no probe
     probe: str
+    lr: float | None = None  # the learning rate this step used (the schedule's rate at this step)
 
     @property
     def tokens_per_second(self) -> float:
@@ -136,8 +141,11 @@ class Learner:
                  optimizer_options: dict[str, Any] | None = None,
                  method_options: dict[str, Any] | None = None,
                  probe: Any = None, seed: int | None = 0, memory_budget: int | str | None = None,
-                 fallback_methods: Iterable[str] = (), target: str | None = None) -> None:
+                 fallback_methods: Iterable[str] = (), target: str | None = None,
+                 lr_schedule: str | None = None, schedule_options: dict[str, Any] | None = None) -> None:
         self.backend = get_backend(backend)
+        lr = check_learning_rate(lr)
+        self.lr_schedule = LRSchedule.make(lr_schedule, schedule_options)
         if self.backend.framework != "torch":
             raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; "
                                  "this Learner drives torch models")
@@ -150,8 +158,10 @@ class Learner:
         self.method = METHODS.get(method)(self.model, **self.method_options)
         self.params = trainable_parameters(self.model)
         self.optimizer = make_optimizer(optimizer, list(self.params.values()), lr, **(optimizer_options or {}))
-        # Checked before every optimizer step, also the per-block steps of fused methods.
-        self.optimizer.register_step_pre_hook(_refuse_non_finite_gradients)
+        # The schedule scales each group's own rate (a custom optimizer may set per-group rates).
+        self.base_lrs = [check_learning_rate(group["lr"], "optimizer lr") for group in self.optimizer.param_groups]
+        # Every optimizer step, also the per-block steps of fused methods, is all or nothing.
+        self._finite_steps = FiniteOptimizerSteps(self.optimizer, self.params)
         self.memory_budget, self.memory_budget_origin = resolve_memory_budget(memory_budget, target)
         self.fallback_methods = tuple(fallback_methods)
         for name in self.fallback_methods:
@@ -177,10 +187,7 @@ class Learner:
     def _prepare(self, batch: Batch) -> Batch:
         if not isinstance(batch, Batch):
             raise EdgetrainError(f"expected an edgetrain Batch, got {type(batch).__name__}")
-        config = getattr(self.model, "config", None)
-        validate_batch(batch, task=getattr(self.model, "task", "classify"),
-                       vocab_size=getattr(config, "vocab_size", None),
-                       num_classes=getattr(config, "num_classes", None))
+        validate_batch(batch, **batch_expectations(self.model))
         return batch.to(self.backend.device)
 
     @property
@@ -201,6 +208,21 @@ class Learner:
                 param.copy_(weights[name])
         self.optimizer.load_state_dict(optimizer_state)
 
+    def _side_state(self) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The torch RNG state and copies of the running statistics of normalisation layers in training
+        mode (the buffers a forward updates); small next to the weights."""
+        running = [(buffer, buffer.clone()) for module in self.model.modules()
+                   if isinstance(module, nn.modules.batchnorm._NormBase) and module.training
+                   for buffer in module.buffers(recurse=False)]
+        return torch.get_rng_state(), running
+
+    def _restore_side_state(self, side_state: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        rng, running = side_state
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for buffer, kept in running:
+                buffer.copy_(kept)
+
     def step(self, batch: Batch) -> StepStats:
         """One step. A NaN/inf loss or gradient raises TrainingError and leaves the weights (and
         optimizer state) of the last good step; the first step is checked against the memory budget."""
@@ -208,6 +230,10 @@ class Learner:
         if not self._budget_checked:
             return self._first_step_within_budget(batch)
         snapshot = self._snapshot() if getattr(self.method, "partial_updates", False) else None
+        # What a forward changes besides the weights: a failed step puts it back, so that the state
+        # (and a checkpoint written after the failure) is the state of the last good step.
+        side_state = None if getattr(self.method, "advances_on_failure", False) else self._side_state()
+        lr = self._apply_lr_schedule()
         probe = self._step_probe
         baseline = None
         if probe is not None:
@@ -218,10 +244,15 @@ class Learner:
         try:
             with observing_context(probe) if probe is not None else nullcontext():
                 loss = self.method.step(batch, self.optimizer)
-        except NonFiniteError as exc:
+        except Exception as exc:
+            self._finite_steps.put_back_interrupted(self.optimizer)
             if snapshot is not None:
                 self._restore_snapshot(snapshot)
+            if side_state is not None:
+                self._restore_side_state(side_state)
             self.optimizer.zero_grad(set_to_none=True)
+            if not isinstance(exc, NonFiniteError):
+                raise
             raise TrainingError(f"step {self.steps_done + 1} stopped on batch {batch.index}: {exc}; "
                                 "the weights of the last good step are kept") from None
         self.backend.synchronize()
@@ -234,7 +265,13 @@ class Learner:
         self.stream_position = batch.index + 1
         return StepStats(step=self.steps_done, loss=loss_value, samples=batch.num_samples,
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
-                         probe=probe.name if probe is not None else "none")
+                         probe=probe.name if probe is not None else "none", lr=lr)
+
+    def _apply_lr_schedule(self) -> float:
+        """Set every group's rate for the coming step; returns the first group's."""
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = self.lr_schedule.rate(base, self.steps_done)
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def _first_step_within_budget(self, batch: Batch) -> StepStats:
         """Measure the first step; if weights + its peak exceed the budget, undo it and refuse (or
@@ -339,7 +376,9 @@ class Learner:
                     "state": json.dumps({"steps_done": self.steps_done,
                                          "stream_position": self.stream_position,
                                          "method": self.method.state_dict(),
-                                         "optimizer": optimizer_rest})}
+                                         "optimizer": optimizer_rest,
+                                         "lr_schedule": self.lr_schedule.to_dict(),
+                                         "base_lrs": self.base_lrs})}
         return tensors, metadata
 
     def save(self, path: str | Path) -> Path:
@@ -361,8 +400,9 @@ class Learner:
         """Load the newest good checkpoint in `directory` (None when there is none yet)."""
         if not Path(directory).is_dir() or not any(Path(directory).glob("step-*.safetensors")):
             return None
-        path, tensors, metadata = load_latest_good(directory, warn=lambda m: print(m, file=sys.stderr))
-        self._restore(tensors, metadata, str(path))
+        # A checkpoint whose state cannot be restored (CorruptCheckpointError) is skipped like a damaged file.
+        path, _, _ = load_latest_good(directory, warn=lambda m: print(m, file=sys.stderr),
+                                      restore=lambda p, tensors, metadata: self._restore(tensors, metadata, str(p)))
         return path
 
     def _restore(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> None:
@@ -371,7 +411,8 @@ class Learner:
         if metadata.get("method") != self.method_name:
             raise EdgetrainError(f"{source} was written by method {metadata.get('method')!r}, "
                                  f"this learner runs {self.method_name!r}")
-        state = json.loads(metadata["state"])
+        state = metadata_json(metadata, "state", source, ("steps_done", "stream_position", "method", "optimizer"))
+        check_same_schedule(state, self.lr_schedule, self.base_lrs, source)
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for name, param in self.params.items():
@@ -422,13 +463,6 @@ class Learner:
             if checkpoint_every and stats.step % checkpoint_every == 0:
                 self.save_rotating(checkpoint_dir)
         return history
-
-
-def _refuse_non_finite_gradients(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
-                raise NonFiniteError("non-finite gradient")
 
 
 def format_progress(stats: StepStats, max_steps: int) -> str:

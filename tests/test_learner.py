@@ -159,8 +159,10 @@ def test_nan_gradient_keeps_last_good_weights(tiny_lora, text_batches):
     batches = text_batches(3)
     learner.step(batches[0])
     good = _weights(learner)
-    poison = model.blocks[1].register_forward_hook(lambda module, args, out: out * float("inf"))
-    with pytest.raises(TrainingError, match="batch 1: non-finite gradient.*last good step"):
+    # The loss stays finite; only the gradient of one adapter is poisoned.
+    poison = model.blocks[1].self_attn.q_proj.lora_B.register_hook(lambda grad: grad * float("inf"))
+    with pytest.raises(TrainingError, match="batch 1: non-finite gradient for blocks.1.self_attn.q_proj.lora_B"
+                                            ".*last good step"):
         learner.step(batches[1])
     poison.remove()
     assert all(torch.equal(good[k], v) for k, v in _weights(learner).items())
@@ -176,9 +178,8 @@ def test_mezo_nan_loss_changes_nothing(tiny_lora, text_batches):
     with pytest.raises(TrainingError, match="non-finite loss at theta"):
         learner.step(text_batches(1)[0])
     poison.remove()
-    # The +eps/-2eps/+eps walk restores the weights up to rounding; nothing was applied on top.
-    for k, v in _weights(learner).items():
-        torch.testing.assert_close(v, good[k], atol=1e-6, rtol=0)
+    # The weights are never perturbed in place, so they are bit for bit the ones before the step.
+    assert all(torch.equal(good[k], v) for k, v in _weights(learner).items())
 
 
 def test_memory_budget_refuses_with_figures_and_suggestions(tiny_lora, text_batches):

@@ -8,12 +8,15 @@ import torch
 
 @dataclass
 class Batch:
-    """inputs: token ids [B, T] (long) for language models, features [B, ...] (float) otherwise.
+    """inputs: token ids [B, T] (int64) for language models and text classifiers, features [B, ...]
+    (float) otherwise, shaped as the model's config says (`input_shape`, `in_channels`, `image_size`).
 
-    targets: for language models the next-token ids [B, T] aligned with `inputs`
+    targets (int64): for language models the next-token ids [B, T] aligned with `inputs`
     (targets[:, t] is the token after inputs[:, t]; -100 marks positions without a target);
     for classifiers the class ids [B].
-    `index` is the batch's position in its stream, used in error messages and for resuming.
+    `index` (a non-negative int) is the batch's position in its stream, used in error messages and
+    for resuming. The container checks nothing itself: `edgetrain.data.validate_batch` does, and the
+    learner runs it on every batch before training on it.
     """
 
     inputs: torch.Tensor

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                              **json.loads(args.method_options))
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0 and args.out:
-        from edgetrain.checkpoint import atomic_save_safetensors
+        from edgetrain.checkpoint import atomic_save_safetensors, atomic_write_json
 
         out = Path(args.out)
         atomic_save_safetensors(dict(result.model.state_dict()), out)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                   "losses": result.losses,
                   "stages": [{"stage": s.stage, "name": s.name, "steps": s.steps, "mean_loss": s.mean_loss}
                              for s in result.stages]}
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        atomic_write_json(report, out.with_suffix(".json"))
     print(f"rank {rank}/{world}: {result.steps} steps in {result.seconds:.1f} s", file=sys.stderr)
     dist.barrier()
     dist.destroy_process_group()

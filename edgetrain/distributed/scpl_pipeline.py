@@ -336,7 +336,9 @@ def run_worker(config: PipelineConfig) -> dict[str, Any] | None:
             tensors.update(part)
         atomic_save_safetensors(tensors, config.save, {"split": method.split, "steps": str(config.steps)})
     if config.report:
-        Path(config.report).write_text(json.dumps(report, indent=1))
+        from edgetrain.checkpoint import atomic_write_json
+
+        atomic_write_json(report, config.report)
     return report
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgetrain.checkpoint import atomic_write_directory, readable_directory
 from edgetrain.data.batch import Batch
 from edgetrain.export.trainable import (WRAPPED_PREFIX, BatchSignature, ExportError, LossModule, require,
                                         strip_prefix, trainable_names)
@@ -98,15 +99,18 @@ def export_onnxruntime(model: nn.Module, batch: Batch, directory: str | Path) ->
         raise ExportError(f"trainable parameter(s) {', '.join(missing)} did not survive the ONNX export "
                           "as named initializers; cannot train them in ONNX Runtime")
     frozen = [name for name in initializers if name not in wanted]
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        with _quiet_stdout():
-            artifacts.generate_artifacts(onnx_model, requires_grad=requires_grad, frozen_params=frozen, loss=None,
-                                         optimizer=artifacts.OptimType.SGD, artifact_directory=str(directory))
-    except Exception as exc:  # e.g. "No gradient builder for op X"
-        raise ExportError(f"ONNX Runtime could not build the training graph: {type(exc).__name__}: {exc}") from exc
-    return directory
+
+    def fill(new: Path) -> None:
+        try:
+            with _quiet_stdout():
+                artifacts.generate_artifacts(onnx_model, requires_grad=requires_grad, frozen_params=frozen,
+                                             loss=None, optimizer=artifacts.OptimType.SGD,
+                                             artifact_directory=str(new))
+        except Exception as exc:  # e.g. "No gradient builder for op X"
+            raise ExportError(f"ONNX Runtime could not build the training graph: {type(exc).__name__}: {exc}") from exc
+
+    # The four artifacts must come from one export: built aside and swapped in as one step.
+    return atomic_write_directory(directory, fill)
 
 
 @contextlib.contextmanager
@@ -143,7 +147,7 @@ class OrtTrainer:
         _require_onnxruntime_training()
         from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-        directory = Path(directory)
+        directory = readable_directory(directory)
         absent = [name for name in ARTIFACTS if not (directory / name).exists()]
         if absent:
             raise ExportError(f"{directory}: not ONNX Runtime training artifacts (missing {', '.join(absent)})")

@@ -49,6 +49,49 @@ def require_finite(value: float, what: str) -> None:
         raise NonFiniteError(f"non-finite {what} ({value})")
 
 
+def require_step_fits(step: float, param: torch.Tensor, name: str, method: str) -> None:
+    """torch converts the scale of `param.add_(direction, alpha=step)` to the parameter's dtype and raises
+    a bare RuntimeError when it does not fit (|step| > 65504 for float16): refuse it by name instead.
+    Such a step times a direction of unit scale overflows the parameter anyway."""
+    require_finite(step, f"update step of {name}")
+    if param.is_floating_point() and abs(step) > torch.finfo(param.dtype).max:
+        raise NonFiniteError(f"{method}: the update step {step:.3g} of {name} overflows {param.dtype}; "
+                             "no weight was changed")
+
+
+def require_finite_update(updated: torch.Tensor, name: str, method: str) -> None:
+    """Refuse an update whose result (computed into a temporary, before any weight is written) is not
+    finite: a finite step size times a finite direction can still overflow the parameter's dtype."""
+    if not bool(torch.isfinite(updated).all()):
+        raise NonFiniteError(f"{method}: the update of {name} would make it non-finite ({updated.dtype} "
+                             "overflow); no weight was changed")
+
+
+def require_finite_gradients(params: dict[str, nn.Parameter], method: str) -> None:
+    """Before a general optimizer's step: every .grad the method set is finite, or all of them are
+    cleared (so no optimizer ever sees them) and NonFiniteError names the first bad one."""
+    for name, param in params.items():
+        if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+            for other in params.values():
+                other.grad = None
+            raise NonFiniteError(f"{method}: non-finite gradient estimate for {name}; no weight was changed")
+
+
+def plain_sgd_learning_rates(optimizer: torch.optim.Optimizer) -> dict[int, float] | None:
+    """{id(param): lr} when every group is SGD without momentum, weight decay, maximize or the fused
+    kernel (the update is then p - lr * grad, no state, and can be applied in place); None otherwise."""
+    if type(optimizer) is not torch.optim.SGD:
+        return None
+    rates = {}
+    for group in optimizer.param_groups:
+        if group["momentum"] != 0 or group["weight_decay"] != 0 or group.get("maximize", False) \
+                or group.get("fused", False):
+            return None
+        for param in group["params"]:
+            rates[id(param)] = float(group["lr"])
+    return rates
+
+
 # name -> constructor(model, **options)
 METHODS: Registry[Callable[..., TrainingMethod]] = Registry("method")
 

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from edgetrain.data.batch import Batch
 from edgetrain.losses import task_loss
-from edgetrain.methods.base import METHODS, no_options, take_gradients, trainable_parameters
+from edgetrain.methods.base import METHODS, no_options, require_finite, take_gradients, trainable_parameters
 
 
 def full_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -51,6 +51,8 @@ class Autograd:
     def step(self, batch: Batch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         loss = self.forward_loss(batch)
+        # An inf loss can have finite gradients (or none reaching a parameter): refuse it before the update.
+        require_finite(float(loss.detach()), "loss")
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

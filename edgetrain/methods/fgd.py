@@ -34,7 +34,10 @@ from torch.func import functional_call
 
 from edgetrain.data.batch import Batch
 from edgetrain.losses import task_loss
-from edgetrain.methods.base import METHODS, require_finite, trainable_parameters
+from edgetrain.methods.base import (METHODS, NonFiniteError, plain_sgd_learning_rates, require_finite,
+                                    require_finite_gradients, require_finite_update, require_step_fits,
+                                    trainable_parameters)
+from edgetrain.methods.options import flag_option, int_option, positive_int_option
 from edgetrain.methods.tangents import AlphaSpec, TangentBank, TangentKey, resolve_alpha
 from edgetrain.registry import EdgetrainError
 
@@ -99,27 +102,15 @@ class SharedDualLevel:
                 fwAD.exit_dual_level()
 
 
-def plain_sgd_learning_rates(optimizer: torch.optim.Optimizer) -> dict[int, float] | None:
-    """{id(param): lr} when every group is SGD without momentum, weight decay or maximize (the update
-    can then be applied in place, tangent by tangent); None otherwise."""
-    if type(optimizer) is not torch.optim.SGD:
-        return None
-    rates = {}
-    for group in optimizer.param_groups:
-        if group["momentum"] != 0 or group["weight_decay"] != 0 or group.get("maximize", False):
-            return None
-        for param in group["params"]:
-            rates[id(param)] = float(group["lr"])
-    return rates
-
-
 class ForwardStage:
     """A contiguous run of units (module k of a pipeline; the whole model for `fgd`): forward with
     JVPs along the seeded tangents of its own parameters, and the update of those parameters."""
 
     def __init__(self, index: int, units: Sequence[Unit], params: dict[str, nn.Parameter],
-                 bank: TangentBank, seed: int, num_tangents: int, model: nn.Module, is_last: bool) -> None:
+                 bank: TangentBank, seed: int, num_tangents: int, model: nn.Module, is_last: bool,
+                 method: str = "fgd") -> None:
         self.index = index
+        self.method = method  # for messages
         self.units = list(units)
         self.bank = bank
         self.seed = seed
@@ -195,8 +186,29 @@ class ForwardStage:
         return loss.detach(), derivatives
 
     @torch.no_grad()
+    def check_update(self, sample: int, derivatives: Sequence[float], learning_rates: dict[int, float]) -> None:
+        """NonFiniteError unless every weight `update_in_place` would write is finite. Each parameter's
+        new value is computed exactly as the update computes it, into a temporary that is dropped, so
+        nothing is written and no more than one parameter's worth of memory is used; kept tangents
+        stay kept."""
+        n = len(derivatives)
+        for name, param in self.params.items():
+            if not self.bank.perturbed(name):
+                continue
+            lr = learning_rates[id(param)]
+            updated = param
+            for draw, derivative in enumerate(derivatives):
+                step = -lr * derivative / n
+                require_step_fits(step, param, name, self.method)
+                tangent = self.bank.for_update(self.key(sample, draw), name, param, consume=False)
+                updated = torch.add(updated, tangent, alpha=step) if updated is param \
+                    else updated.add_(tangent, alpha=step)
+            require_finite_update(updated, name, self.method)
+
+    @torch.no_grad()
     def update_in_place(self, sample: int, derivatives: Sequence[float], learning_rates: dict[int, float]) -> None:
-        """w -= lr * mean_j (dL/du_j) u_j, one parameter and one tangent at a time."""
+        """w -= lr * mean_j (dL/du_j) u_j, one parameter and one tangent at a time. Callers run
+        `check_update` of every stage first: this writes without checking."""
         n = len(derivatives)
         for name, param in self.params.items():
             if not self.bank.perturbed(name):
@@ -240,31 +252,49 @@ class ForwardStage:
 
 
 def check_forward_gradient_options(name: str, seed: Any, num_tangents: Any) -> tuple[int, int]:
-    if not isinstance(num_tangents, int) or isinstance(num_tangents, bool) or num_tangents < 1:
-        raise EdgetrainError(f"{name}: num_tangents must be a positive integer, got {num_tangents!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise EdgetrainError(f"{name}: seed must be an integer, got {seed!r}")
-    return seed, num_tangents
+    num_tangents = positive_int_option(name, "num_tangents", num_tangents)
+    return int_option(name, "seed", seed), num_tangents
 
 
 def make_tangent_bank(name: str, params: dict[str, nn.Parameter], alpha: AlphaSpec,
                       tangent_checkpoint: bool) -> TangentBank:
-    alphas = resolve_alpha(alpha, params)
+    try:
+        alphas = resolve_alpha(alpha, params)
+    except EdgetrainError as error:
+        raise EdgetrainError(f"{name}: {error}") from None
     if not any(alphas.values()):
         raise EdgetrainError(f"{name}: alpha is 0 for every trainable parameter; nothing would train")
-    return TangentBank({n: i for i, n in enumerate(params)}, alphas, checkpoint=bool(tangent_checkpoint))
+    return TangentBank({n: i for i, n in enumerate(params)}, alphas,
+                       checkpoint=flag_option(name, "tangent_checkpoint", tangent_checkpoint))
+
+
+def check_updates(stages: Sequence[ForwardStage], sample: int, derivatives: Sequence[float],
+                  learning_rates: dict[int, float]) -> NonFiniteError | None:
+    """The refusal of the first stage whose in-place update would write a non-finite weight, or None."""
+    try:
+        for stage in stages:
+            stage.check_update(sample, derivatives, learning_rates)
+    except NonFiniteError as refusal:
+        return refusal
+    return None
 
 
 def apply_estimate(stages: Sequence[ForwardStage], sample: int, derivatives: Sequence[float],
-                   optimizer: torch.optim.Optimizer) -> None:
-    """Update every stage's parameters with the forward-gradient estimate of `sample`."""
+                   optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], method: str) -> None:
+    """Update every stage's parameters with the forward-gradient estimate of `sample`, all or nothing:
+    a non-finite new weight (in place) or gradient estimate (other optimizers) raises NonFiniteError
+    before anything is written."""
     rates = plain_sgd_learning_rates(optimizer)
     if rates is not None:
+        refusal = check_updates(stages, sample, derivatives, rates)
+        if refusal is not None:
+            raise refusal
         for stage in stages:
             stage.update_in_place(sample, derivatives, rates)
         return
     for stage in stages:
         stage.set_gradients(sample, derivatives)
+    require_finite_gradients(params, method)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -313,10 +343,11 @@ class ForwardGradient:
         sample = self.steps_taken
         try:
             loss, derivatives = self.loss_and_derivatives(batch, sample)
+            apply_estimate([self.stage], sample, derivatives, optimizer, self.params, self.name)
         except Exception:
+            # Nothing was written: the counter stays, so a retry draws the same tangents.
             self.stage.release(sample)
             raise
-        apply_estimate([self.stage], sample, derivatives, optimizer)
         self.steps_taken += 1
         return loss
 

@@ -3,6 +3,24 @@
 Two forwards at theta +/- eps*z give the directional derivative along a random Gaussian z; the
 update is -lr * that * z. z is never stored: it is regenerated, parameter by parameter, from the
 step's seed, so the method needs no more memory than inference.
+
+z is drawn as documented: one generator per device seeded with the step's seed, one N(0, I) draw
+per trainable parameter in the model's order. The generator's state before each draw is remembered
+(a few kB per parameter), so any parameter's z can be drawn again on its own, in any order.
+
+The weights are never perturbed in place. The forward at theta + eps z runs the model's block view
+(embed, blocks, head) one unit at a time, each with its own parameters replaced by perturbed
+temporaries (torch.func.functional_call); theta - eps z is reached as the paper's walk reaches it,
+(theta + eps z) - 2 eps z, computed the same way. So theta is bit-for-bit intact whatever happens
+during the forwards (a non-finite loss, an exception), and the extra memory is one unit's trainable
+parameters, not a copy of the model. A model without a block view runs as a single unit (its
+perturbed trainable parameters then exist all at once).
+
+The update is all-or-nothing: with plain SGD every parameter's new value is first computed into a
+temporary and checked finite (a finite lr * g times a finite z can still overflow float16), then,
+only if all are, written in place; with any other optimizer g * z goes to .grad after a finiteness
+check. A failed step raises NonFiniteError and leaves weights, optimizer state and the step counter
+as they were, so a retry draws the same z.
 """
 from __future__ import annotations
 
@@ -10,89 +28,144 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from edgetrain.data.batch import Batch
 from edgetrain.losses import task_loss
-from edgetrain.methods.base import METHODS, require_finite, trainable_parameters
+from edgetrain.methods.base import (METHODS, plain_sgd_learning_rates, require_finite, require_finite_gradients,
+                                    require_finite_update, require_step_fits, trainable_parameters)
+from edgetrain.methods.fgd import Unit, block_units
+from edgetrain.methods.options import int_option, positive_number_option
 from edgetrain.registry import EdgetrainError
+
+
+class Directions:
+    """z for every trainable parameter of one step, available by name in any order (see the module
+    docstring): the sequential draws are made once, the generator state before each is kept."""
+
+    def __init__(self, params: dict[str, nn.Parameter], seed: int) -> None:
+        self.params = params
+        self.seed = seed
+        self._order = list(params)
+        self._drawn = 0  # parameters [0, _drawn) have their state recorded
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._states: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        param = self.params[name]
+        if name in self._states:
+            generator = torch.Generator(device=param.device)
+            generator.set_state(self._states[name])
+            return _draw(param, generator)
+        while True:  # advance the sequential draws up to `name`
+            current = self._order[self._drawn]
+            target = self.params[current]
+            generator = self._generators.get(target.device)
+            if generator is None:
+                generator = self._generators[target.device] = \
+                    torch.Generator(device=target.device).manual_seed(self.seed)
+            self._states[current] = generator.get_state()
+            self._drawn += 1
+            z = _draw(target, generator)
+            if current == name:
+                return z
+
+
+def _draw(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(param.shape, generator=generator, device=param.device, dtype=param.dtype)
+
+
+def mezo_units(model: nn.Module, params: dict[str, nn.Parameter]) -> list[Unit]:
+    """The block view's units, or the whole model as one unit when it has none."""
+    try:
+        return block_units(model)
+    except EdgetrainError:
+        pass  # trainable parameters outside embed/blocks/head: perturb the whole model at once
+    canonical = {id(p): name for name, p in params.items()}
+    return [Unit("", model, [(rel, canonical[id(p)]) for rel, p in model.named_parameters(remove_duplicate=False)
+                             if id(p) in canonical])]
 
 
 class ZerothOrder:
     name = "mezo"
 
     def __init__(self, model: nn.Module, epsilon: float = 1e-3, seed: int = 0) -> None:
-        if not epsilon > 0:
-            raise EdgetrainError(f"mezo: epsilon must be positive, got {epsilon!r}")
+        self.epsilon = positive_number_option("mezo", "epsilon", epsilon)
+        self.seed = int_option("mezo", "seed", seed)
         self.model = model
         self.params = trainable_parameters(model)
-        self.epsilon = float(epsilon)
-        self.seed = int(seed)
+        self.units = mezo_units(model, self.params)
         self.steps_taken = 0
 
     def _step_seed(self) -> int:
         # Keyed by (seed, step) so that a resumed run regenerates exactly the same perturbations.
         return (self.seed * 1_000_003 + self.steps_taken) % (2**63 - 1)
 
-    def _directions(self, seed: int):
-        """Yield (param, z) one parameter at a time; only one z is alive at once."""
-        generators: dict[torch.device, torch.Generator] = {}
-        for param in self.params.values():
-            gen = generators.get(param.device)
-            if gen is None:
-                gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            yield param, torch.randn(param.shape, generator=gen, device=param.device, dtype=param.dtype)
+    def _perturbed(self, name: str, directions: Directions, sign: int) -> torch.Tensor:
+        """theta + eps z (sign +1) or (theta + eps z) - 2 eps z (sign -1), as a new tensor."""
+        param, z = self.params[name], directions(name)
+        value = torch.add(param, z, alpha=self.epsilon)
+        if sign < 0:
+            value.add_(z, alpha=-2 * self.epsilon)
+        return value
 
     @torch.no_grad()
-    def _perturb(self, seed: int, scale: float) -> None:
-        for param, z in self._directions(seed):
-            param.add_(z, alpha=scale)
+    def _loss_at(self, batch: Batch, directions: Directions, sign: int) -> torch.Tensor:
+        h = batch.inputs
+        for unit in self.units:
+            perturbed: dict[str, torch.Tensor] = {}
+            weights = {}
+            for rel, name in unit.parameters:
+                if name not in perturbed:  # a tied parameter gets one value under all its names
+                    perturbed[name] = self._perturbed(name, directions, sign)
+                weights[rel] = perturbed[name]
+            h = functional_call(unit.module, weights, (h,), strict=False) if weights else unit.module(h)
+            del perturbed, weights  # only one unit's perturbed parameters exist at a time
+        return task_loss(self.model, h, batch.targets)
 
     @torch.no_grad()
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        return task_loss(self.model, self.model(batch.inputs), batch.targets)
-
-    @torch.no_grad()
-    def projected_gradient(self, batch: Batch, seed: int) -> tuple[torch.Tensor, float]:
-        """(loss at theta, (L(theta + eps z) - L(theta - eps z)) / 2 eps); weights restored after."""
-        self._perturb(seed, self.epsilon)
-        loss_plus = self._loss(batch)
-        self._perturb(seed, -2 * self.epsilon)
-        loss_minus = self._loss(batch)
-        self._perturb(seed, self.epsilon)
-        projected = float((loss_plus - loss_minus) / (2 * self.epsilon))
+    def projected_gradient(self, batch: Batch, seed: int | Directions) -> tuple[torch.Tensor, float]:
+        """(loss at theta, (L(theta + eps z) - L(theta - eps z)) / 2 eps); the weights are not touched."""
+        directions = seed if isinstance(seed, Directions) else Directions(self.params, seed)
+        loss_plus = self._loss_at(batch, directions, +1)
         require_finite(float(loss_plus), "loss at theta + eps z")
+        loss_minus = self._loss_at(batch, directions, -1)
         require_finite(float(loss_minus), "loss at theta - eps z")
+        projected = float((loss_plus - loss_minus) / (2 * self.epsilon))
         require_finite(projected, "projected gradient")
         return (loss_plus + loss_minus) / 2, projected
 
     def gradients(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        seed = self._step_seed()
-        # The +eps/-2eps/+eps walk restores the weights only up to rounding; this diagnostic path
-        # promises unchanged weights, so it restores them from a copy.
-        saved = {name: p.detach().clone() for name, p in self.params.items()}
-        loss, projected = self.projected_gradient(batch, seed)
-        with torch.no_grad():
-            for name, param in self.params.items():
-                param.copy_(saved[name])
-        names = list(self.params)
-        return loss, {name: z * projected for name, (_, z) in zip(names, self._directions(seed))}
+        directions = Directions(self.params, self._step_seed())
+        loss, projected = self.projected_gradient(batch, directions)
+        return loss, {name: directions(name).mul_(projected) for name in self.params}
 
     def step(self, batch: Batch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        seed = self._step_seed()
-        loss, projected = self.projected_gradient(batch, seed)
-        if _is_plain_sgd(optimizer):
-            # The memory-lean path of the paper: update in place, regenerating z per parameter.
-            lr = optimizer.param_groups[0]["lr"]
-            with torch.no_grad():
-                for param, z in self._directions(seed):
-                    param.add_(z, alpha=-lr * projected)
+        directions = Directions(self.params, self._step_seed())
+        loss, projected = self.projected_gradient(batch, directions)
+        rates = plain_sgd_learning_rates(optimizer)
+        if rates is not None:
+            self._update_in_place(directions, projected, rates)
         else:
-            for param, z in self._directions(seed):
-                param.grad = z.mul_(projected)
+            for name, param in self.params.items():
+                param.grad = directions(name).mul_(projected)
+            require_finite_gradients(self.params, "mezo")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         self.steps_taken += 1
         return loss
+
+    @torch.no_grad()
+    def _update_in_place(self, directions: Directions, projected: float, rates: dict[int, float]) -> None:
+        """The memory-lean path of the paper: theta -= lr * g * z, z regenerated per parameter. Every
+        new value is checked (one temporary at a time) before any is written."""
+        scales = {}
+        for name, param in self.params.items():
+            scales[name] = -rates[id(param)] * projected
+            require_step_fits(scales[name], param, name, "mezo")
+            require_finite_update(torch.add(param, directions(name), alpha=scales[name]), name, "mezo")
+        for name, param in self.params.items():
+            param.add_(directions(name), alpha=scales[name])
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "steps_taken": self.steps_taken}
@@ -100,13 +173,6 @@ class ZerothOrder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed = int(state["seed"])
         self.steps_taken = int(state["steps_taken"])
-
-
-def _is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
-    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
-        return False
-    group = optimizer.param_groups[0]
-    return group["momentum"] == 0 and group["weight_decay"] == 0 and not group.get("maximize", False)
 
 
 METHODS.add("mezo", ZerothOrder)

@@ -76,12 +76,17 @@ def resolve_alpha(spec: AlphaSpec, names: Iterable[str]) -> dict[str, float]:
     matching prefix wins; "" is the default, 1.0 when absent). Prefixes follow module boundaries:
     "blocks.1" matches "blocks.1.weight", not "blocks.10.weight"."""
     names = list(names)
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+    if _is_number(spec):
         table = {"": float(spec)}
     elif isinstance(spec, Mapping):
-        table = {str(k): float(v) for k, v in spec.items()}
+        for key, value in spec.items():
+            if not isinstance(key, str) or not _is_number(value):
+                raise EdgetrainError(f"alpha[{key!r}] = {value!r}: alpha maps parameter-name prefixes (strings) "
+                                     "to numbers")
+        table = {k: float(v) for k, v in spec.items()}
     else:
-        raise EdgetrainError(f"alpha must be a number or a {{name prefix: number}} dict, got {type(spec).__name__}")
+        raise EdgetrainError(f"alpha must be a number or a {{name prefix: number}} dict, got {spec!r} "
+                             f"({type(spec).__name__})")
     for prefix, value in table.items():
         if not 0.0 <= value <= 1.0 or value != value:
             raise EdgetrainError(f"alpha[{prefix!r}] = {value}: must be in [0, 1]")
@@ -92,6 +97,10 @@ def resolve_alpha(spec: AlphaSpec, names: Iterable[str]) -> dict[str, float]:
         best = max((p for p in table if _matches(name, p)), key=len, default=None)
         resolved[name] = table[best] if best is not None else 1.0
     return resolved
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _matches(name: str, prefix: str) -> bool:
@@ -126,12 +135,14 @@ class TangentBank:
             self._kept[(key, name)] = tangent
         return tangent
 
-    def for_update(self, key: TangentKey, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The tangent the forward used; the caller may overwrite it (it is not used again)."""
+    def for_update(self, key: TangentKey, name: str, like: torch.Tensor, consume: bool = True) -> torch.Tensor:
+        """The tangent the forward used; the caller may overwrite it (it is not used again).
+        consume=False (checking an update before making it): a kept tangent stays kept, and the caller
+        must not overwrite what it gets."""
         if self.checkpoint:
             return self.draw(key, name, like)
         try:
-            return self._kept.pop((key, name))
+            return self._kept.pop((key, name)) if consume else self._kept[(key, name)]
         except KeyError:
             raise EdgetrainError(f"no kept tangent for {name} at {key}; was its forward run?") from None
 

@@ -1,6 +1,7 @@
 """Turn profile records into what people read: a table with ratios, JSON records, a PNG chart."""
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,10 @@ def write_plot(records: list[dict[str, Any]], path: str | Path) -> Path:
                     f"{first['backend']}")
     figure.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    # Rendered in memory, then written atomically: a failed or killed save keeps the previous chart.
+    image = io.BytesIO()
+    try:
+        figure.savefig(image, dpi=110, format=path.suffix.lstrip(".").lower() or "png")
+    finally:
+        plt.close(figure)
+    return atomic_write_bytes(image.getvalue(), path)

@@ -366,7 +366,7 @@ def test_resume_across_a_stage_boundary_is_exact(tmp_path, method):
     assert all(torch.equal(a[k], b[k]) for k in a)
     other_split = {**options, "segments": None, "split": [1, 2]}
     with pytest.raises(EdgetrainError, match="different plan"):   # same parameters, other stages
-        edgetrain.Learner(digits_resnet(blocks=(2, 1, 1)), method=method, probe=False,
+        edgetrain.Learner(digits_resnet(blocks=(2, 1, 1)), method=method, optimizer="adamw", lr=1e-2, probe=False,
                           method_options=other_split).load(tmp_path / "ckpt.safetensors")
 
 

@@ -111,18 +111,21 @@ def test_config_json_that_is_not_json(checkpoint_dir, tmp_path, text):
 @given(data=st.data())
 def test_damaged_learner_checkpoint_is_detected(tmp_path, data):
     tensors = {"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(3, 5)}
-    path = atomic_save_safetensors(tensors, tmp_path / "state.safetensors", {"note": "x"})
+    # A learner-like state: metadata as large as the tensors, so that flips land in it often.
+    state = json.dumps({"steps_done": 1234, "stream_position": 5678, "lr": 0.00125, "seeds": list(range(40))})
+    path = atomic_save_safetensors(tensors, tmp_path / "state.safetensors", {"note": "x", "state": state})
+    _, written = load_safetensors_checked(path)
     raw = bytearray(path.read_bytes())
     position = data.draw(st.integers(0, len(raw) - 1))
     raw[position] ^= data.draw(st.integers(1, 255))
     path.write_bytes(bytes(raw))
     try:
-        loaded, _ = load_safetensors_checked(path)
+        loaded, metadata = load_safetensors_checked(path)
     except edgetrain.EdgetrainError:
         return
-    # Only a flip in padding or in a metadata value other than the checksum can go unnoticed,
-    # and then the tensors are intact.
-    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    # The checksum covers the tensors and every metadata value: only a flip that leaves the header's
+    # meaning unchanged (its space padding turned into other whitespace) can load, and then all is intact.
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items()) and metadata == written
 
 
 def test_pickle_only_checkpoint_is_refused(checkpoint_dir, tmp_path):

@@ -23,7 +23,8 @@ import numpy as np
 
 from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import add_lora, lora_layers, set_parameters, trainable_parameters
-from edgetrain.checkpoint import atomic_save_safetensors, atomic_write_bytes, load_safetensors_checked
+from edgetrain.checkpoint import (atomic_save_safetensors, atomic_write_directory, load_safetensors_checked,
+                                  readable_directory)
 from edgetrain.models.lora import LORA_TARGETS, LoraConfig
 from edgetrain.registry import EdgetrainError
 
@@ -64,7 +65,7 @@ def _adapted_blocks(model: nn.Module) -> list[int]:
 
 
 def save_mlx_lm_adapters(model: nn.Module, directory: str | Path, extra_config: dict[str, Any] | None = None) -> Path:
-    """Write `model`'s adapters as an mlx-lm adapter directory (both files atomically)."""
+    """Write `model`'s adapters as an mlx-lm adapter directory (both files as one atomic step)."""
     config: LoraConfig | None = getattr(model, "lora_config", None)
     if config is None or not lora_layers(model):
         raise AdapterError("model has no LoRA adapters to save")
@@ -77,18 +78,25 @@ def save_mlx_lm_adapters(model: nn.Module, directory: str | Path, extra_config: 
         _, index, rest = name.split(".", 2)
         path, _, part = rest.rpartition(".")
         tensors[mlx_lm_key(int(index), path, part)] = _to_torch(to_numpy(value))
-    directory = Path(directory)
-    atomic_save_safetensors(tensors, directory / ADAPTER_WEIGHTS, metadata={"format": "mlx"})
     adapter_config = {**(extra_config or {}), "fine_tune_type": "lora", "num_layers": len(blocks),
                       "lora_parameters": {"rank": config.rank, "scale": config.scale, "dropout": config.dropout,
                                           "keys": [LORA_TARGETS[t] for t in config.targets]}}
-    atomic_write_bytes(json.dumps(adapter_config, indent=2).encode("utf-8"), directory / ADAPTER_CONFIG)
-    return directory
+    return _write_adapter_directory(directory, tensors, adapter_config)
+
+
+def _write_adapter_directory(directory: str | Path, tensors: dict[str, Any], adapter_config: dict[str, Any]) -> Path:
+    """Both files as one atomic step (atomic_write_directory): a reader never sees new weights with an
+    old config or the other way round."""
+    def fill(new: Path) -> None:
+        atomic_save_safetensors(tensors, new / ADAPTER_WEIGHTS, metadata={"format": "mlx"})
+        (new / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2), encoding="utf-8")
+
+    return atomic_write_directory(directory, fill)
 
 
 def read_mlx_lm_adapters(directory: str | Path) -> tuple[LoraConfig, int, dict[str, np.ndarray]]:
     """(LoraConfig, num_layers, {mlx-lm key: float32 array}) of an mlx-lm adapter directory."""
-    directory = Path(directory)
+    directory = readable_directory(directory)
     config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterError(f"{directory}: an mlx-lm adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
@@ -161,13 +169,10 @@ def torch_adapter_to_mlx_lm(torch_file: str | Path, directory: str | Path) -> Pa
         # A [r, in] -> lora_a [in, r]; B [out, r] -> lora_b [r, out].
         converted[mlx_lm_key(int(index), path, part.lower())] = tensor.float().t().contiguous()
     blocks = sorted({int(k.split(".")[2]) for k in converted})
-    directory = Path(directory)
-    atomic_save_safetensors(converted, directory / ADAPTER_WEIGHTS, metadata={"format": "mlx"})
     adapter_config = {"fine_tune_type": "lora", "num_layers": len(blocks),
                       "lora_parameters": {"rank": config.rank, "scale": config.scale, "dropout": config.dropout,
                                           "keys": [LORA_TARGETS[t] for t in config.targets]}}
-    atomic_write_bytes(json.dumps(adapter_config, indent=2).encode("utf-8"), directory / ADAPTER_CONFIG)
-    return directory
+    return _write_adapter_directory(directory, converted, adapter_config)
 
 
 def mlx_lm_to_torch_adapter(directory: str | Path, torch_file: str | Path) -> Path:

@@ -26,12 +26,14 @@ from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import set_parameters, trainable_parameters
 from edgetrain.backends.mlx.methods import MLX_METHODS, lm_loss
 from edgetrain.backends.mlx.optim import FlatOptimizer
+from edgetrain.checkpoint import metadata_json
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
 from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe,
                                resolve_memory_budget)
 from edgetrain.methods.base import NonFiniteError, TrainingError
 from edgetrain.registry import EdgetrainError
+from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
 
 CHECKPOINT_FORMAT = "edgetrain-mlx-learner-1"
 
@@ -85,7 +87,8 @@ class MLXLearner(Learner):
                  optimizer: str | Any = "sgd", lr: float = 1e-3, *,
                  optimizer_options: dict[str, Any] | None = None, method_options: dict[str, Any] | None = None,
                  probe: Any = None, seed: int | None = 0, memory_budget: int | str | None = None,
-                 fallback_methods: Iterable[str] = (), target: str | None = None) -> None:
+                 fallback_methods: Iterable[str] = (), target: str | None = None,
+                 lr_schedule: str | None = None, schedule_options: dict[str, Any] | None = None) -> None:
         from edgetrain.backends.base import BACKENDS
 
         self.backend = BACKENDS.get(backend).require()
@@ -99,7 +102,9 @@ class MLXLearner(Learner):
         self.method_name = method
         self.method_options = dict(method_options or {})
         self.method = MLX_METHODS.get(method)(self.model, **self.method_options)
-        self.optimizer = FlatOptimizer(model, optimizer, lr, **(optimizer_options or {}))
+        self.lr_schedule = LRSchedule.make(lr_schedule, schedule_options)
+        self.optimizer = FlatOptimizer(model, optimizer, check_learning_rate(lr), **(optimizer_options or {}))
+        self.base_lrs = [check_learning_rate(self.optimizer.learning_rate, "optimizer lr")]
         self.memory_budget, self.memory_budget_origin = resolve_memory_budget(memory_budget, target)
         self.fallback_methods = tuple(fallback_methods)
         for name in self.fallback_methods:
@@ -147,6 +152,8 @@ class MLXLearner(Learner):
             # Randomness (LoRA dropout) as a pure function of (seed, step): resuming needs no RNG state.
             mx.random.seed((self.seed * 1_000_003 + self.steps_done) % 2**32)
         mx.eval(inputs, targets)
+        lr = self.lr_schedule.rate(self.base_lrs[0], self.steps_done)
+        self.optimizer.optimizer.learning_rate = lr
         baseline = None
         if self.probe is not None:
             self.probe.reset_peak()
@@ -171,7 +178,7 @@ class MLXLearner(Learner):
         self.stream_position = batch.index + 1
         return StepStats(step=self.steps_done, loss=loss_value, samples=batch.num_samples,
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
-                         probe=self.probe.name if self.probe else "none")
+                         probe=self.probe.name if self.probe else "none", lr=lr)
 
     def _first_step_within_budget(self, batch: Batch) -> StepStats:
         """As Learner: measure the first step; over budget, undo it and fall back or refuse."""
@@ -236,7 +243,8 @@ class MLXLearner(Learner):
                         for name, value in _flatten_state(self.optimizer.optimizer.state).items()})
         metadata = {"format": CHECKPOINT_FORMAT, "method": self.method_name,
                     "state": json.dumps({"steps_done": self.steps_done, "stream_position": self.stream_position,
-                                         "method": self.method.state_dict()})}
+                                         "method": self.method.state_dict(),
+                                         "lr_schedule": self.lr_schedule.to_dict(), "base_lrs": self.base_lrs})}
         return tensors, metadata
 
     def _restore(self, tensors: dict[str, Any], metadata: dict[str, str], source: str) -> None:
@@ -245,7 +253,8 @@ class MLXLearner(Learner):
         if metadata.get("method") != self.method_name:
             raise EdgetrainError(f"{source} was written by method {metadata.get('method')!r}, "
                                  f"this learner runs {self.method_name!r}")
-        state = json.loads(metadata["state"])
+        state = metadata_json(metadata, "state", source, ("steps_done", "stream_position", "method"))
+        check_same_schedule(state, self.lr_schedule, self.base_lrs, source)
         params = self.params
         restored = {}
         for name, param in params.items():

@@ -145,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for item in results:
                 print(json.dumps(item), flush=True)
             if args.json is not None:
-                args.json.write_text(json.dumps(results, indent=1))
+                from edgetrain.checkpoint import atomic_write_json
+
+                atomic_write_json(results, args.json)
     finally:
         dist.destroy_process_group()
     return 0
@@ -153,8 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def save_data_file(path: Path, name: str = "digits", train_limit: int | None = None, seed: int = 0) -> Path:
     """Load a data set once and save it for --data-file (N ranks importing scikit-learn at once is slow)."""
-    torch.save(load_data(name, train_limit, seed), path)
-    return path
+    from edgetrain.checkpoint import atomic_torch_save
+
+    return atomic_torch_save(load_data(name, train_limit, seed), path)
 
 
 def launch_local(num_workers: int, argv: Sequence[str], *, module: str = "edgetrain.distributed.subnet.run",

@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             text = json.dumps(everyone, indent=1)
             if args.json is not None:
-                args.json.write_text(text)
+                from edgetrain.checkpoint import atomic_write_bytes
+
+                atomic_write_bytes(text.encode("utf-8"), args.json)
             else:
                 print(text)
     finally:

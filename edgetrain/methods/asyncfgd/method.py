@@ -15,8 +15,9 @@ What the protocol methods return:
                       first K-1 steps) no sample leaves; the loss of the entering batch at the
                       current weights is returned instead (one extra plain forward per fill step,
                       BatchNorm statistics left as they were), so a stream's first losses are real.
-                      A leaving sample with a non-finite loss or derivative updates nothing and
-                      raises NonFiniteError, but the pipeline has advanced (the batch entered).
+                      A leaving sample with a non-finite loss or derivative, or whose update would
+                      write a non-finite weight or gradient estimate, updates nothing and raises
+                      NonFiniteError, but the pipeline has advanced (the batch entered).
   gradients(batch) -- the forward-gradient estimate for `batch` at the current weights of every
                       module, i.e. without staleness, drawn with the tangents each module will use
                       for the next sample; weights and the pipeline are left as they were.
@@ -47,8 +48,10 @@ from edgetrain.losses import task_loss
 from edgetrain.methods.asyncfgd.schedule import InFlight, ReferenceScheduler, TimestampOutcome, non_finite_error
 from edgetrain.methods.asyncfgd.stages import build_stages, describe_split
 from edgetrain.methods.asyncfgd.workers import CudaStreamWorkers, ThreadWorkers
-from edgetrain.methods.base import METHODS, require_finite, trainable_parameters
-from edgetrain.methods.fgd import check_forward_gradient_options, make_tangent_bank, plain_sgd_learning_rates
+from edgetrain.methods.base import (METHODS, NonFiniteError, plain_sgd_learning_rates, require_finite,
+                                    require_finite_gradients, trainable_parameters)
+from edgetrain.methods.fgd import check_forward_gradient_options, make_tangent_bank
+from edgetrain.methods.options import flag_option, positive_int_option
 from edgetrain.methods.tangents import AlphaSpec, resolve_alpha
 from edgetrain.registry import EdgetrainError
 
@@ -57,11 +60,16 @@ RUNTIMES = ("auto", "threads", "cuda-streams", "reference")
 
 class AsyncFGD:
     name = "asyncfgd"
+    # A failed step still moves the pipeline on (see `step` above), so the learner does not roll the
+    # step's buffers and RNG back: in-flight samples ran their forwards.
+    advances_on_failure = True
 
     def __init__(self, model: nn.Module, num_modules: int = 2, split: Sequence[int] | None = None,
                  runtime: str = "auto", seed: int = 0, alpha: AlphaSpec = 1.0, num_tangents: int = 1,
                  tangent_checkpoint: bool = True, intra_op_threads: int = 1, pin_workers: bool = True) -> None:
         self.seed, self.num_tangents = check_forward_gradient_options(self.name, seed, num_tangents)
+        intra_op_threads = positive_int_option(self.name, "intra_op_threads", intra_op_threads)
+        pin_workers = flag_option(self.name, "pin_workers", pin_workers)
         if runtime not in RUNTIMES:
             raise EdgetrainError(f"asyncfgd: unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
         self.model = model
@@ -123,11 +131,15 @@ class AsyncFGD:
         finished = outcome.finished
         self.in_flight = outcome.in_flight
         self.steps_taken = t + 1
-        if finished is not None and not finished.finite:
+        if finished is not None and (not finished.finite or outcome.refused is not None):
             for stage in self.stages:
                 stage.release(finished.sample)
+            if outcome.refused is not None:
+                raise NonFiniteError(f"{outcome.refused}; the sample that entered at step {finished.sample} "
+                                     "left the pipeline without updating any module")
             raise non_finite_error(finished)
         if finished is not None and learning_rates is None:
+            require_finite_gradients(self.params, self.name)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return finished.loss if finished is not None else fill_loss

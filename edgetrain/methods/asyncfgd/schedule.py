@@ -16,6 +16,9 @@ no update is made, since the step sizes of Algorithm 1 start at t = K-1.
 
 A sample whose loss or directional derivative is not finite updates no module; it still leaves the
 pipeline (the method raises NonFiniteError after the timestamp), so one bad sample cannot block it.
+The same holds when its update would write a non-finite weight anywhere (a finite step can overflow
+float16): with plain SGD every module first checks its update (`ForwardStage.check_update`, nothing
+written), and only when all modules' checks pass does any module write.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from edgetrain.methods.base import NonFiniteError
-from edgetrain.methods.fgd import ForwardStage
+from edgetrain.methods.fgd import ForwardStage, check_updates
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Finished:
 class TimestampOutcome:
     in_flight: list[InFlight | None]  # K-1 entries: module k's output, waiting for module k+1
     finished: Finished | None
+    refused: NonFiniteError | None = None  # why the finished sample's update was not made (none was)
 
 
 def forward_stage(stage: ForwardStage, incoming: InFlight | None) -> InFlight | Finished | None:
@@ -99,11 +103,14 @@ class ReferenceScheduler:
 
     def run(self, inputs: Sequence[InFlight | None], learning_rates: dict[int, float] | None) -> TimestampOutcome:
         results = [forward_stage(stage, incoming) for stage, incoming in zip(self.stages, inputs)]
-        finished = results[-1]
+        finished, refused = results[-1], None
         if finished is not None and finished.finite:
-            for stage in self.stages:
-                update_stage(stage, finished, learning_rates)
-        return TimestampOutcome(list(results[:-1]), finished)
+            if learning_rates is not None:
+                refused = check_updates(self.stages, finished.sample, finished.derivatives, learning_rates)
+            if refused is None:
+                for stage in self.stages:
+                    update_stage(stage, finished, learning_rates)
+        return TimestampOutcome(list(results[:-1]), finished, refused)
 
     def close(self) -> None:
         pass

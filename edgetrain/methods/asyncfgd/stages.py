@@ -60,7 +60,8 @@ def split_units(units: Sequence[Unit], num_modules: int, split: Sequence[int] | 
 def build_stages(model: nn.Module, params: dict[str, nn.Parameter], bank: TangentBank, seed: int,
                  num_tangents: int, num_modules: int, split: Sequence[int] | None = None) -> list[ForwardStage]:
     groups = split_units(block_units(model), num_modules, split)
-    stages = [ForwardStage(k, group, params, bank, seed, num_tangents, model, is_last=k == len(groups) - 1)
+    stages = [ForwardStage(k, group, params, bank, seed, num_tangents, model, is_last=k == len(groups) - 1,
+                           method="asyncfgd")
               for k, group in enumerate(groups)]
     owner: dict[str, int] = {}
     for stage in stages:

@@ -3,6 +3,8 @@
 Each `run` is one timestamp of Algorithm 1: every worker runs its module's forward on what the
 previous timestamp left it (lines 2-6, all at once), the workers meet at a barrier where the last
 one's directional derivatives are broadcast (line 7), then each updates its own module (lines 8-10).
+With plain SGD the update is all or nothing: each worker first checks its module's update (nothing
+written), the workers meet again, and only if no module refused does any of them write.
 A worker touches only its own module's weights and buffers, so the result is bit-identical to the
 `ReferenceScheduler` given the same intra-op thread count.
 
@@ -29,6 +31,7 @@ import torch
 
 from edgetrain.methods.asyncfgd.schedule import (Finished, InFlight, TimestampOutcome, forward_stage,
                                                  update_stage)
+from edgetrain.methods.base import NonFiniteError
 from edgetrain.methods.fgd import ForwardStage
 from edgetrain.registry import EdgetrainError
 
@@ -42,7 +45,9 @@ class _Timestamp:
         self.learning_rates = learning_rates
         self.results: list[InFlight | Finished | None] = [None] * count
         self.errors: list[BaseException | None] = [None] * count
+        self.refusals: list[NonFiniteError | None] = [None] * count
         self.broadcast = threading.Barrier(count)
+        self.checked = threading.Barrier(count)
 
 
 class ThreadWorkers:
@@ -79,7 +84,8 @@ class ThreadWorkers:
             if error is not None:
                 raise error
         finished = job.results[-1]
-        return TimestampOutcome(list(job.results[:-1]), finished)  # type: ignore[arg-type]
+        refused = next((r for r in job.refusals if r is not None), None)
+        return TimestampOutcome(list(job.results[:-1]), finished, refused)  # type: ignore[arg-type]
 
     def _after_timestamp(self) -> None:
         pass
@@ -126,7 +132,17 @@ def _serve(context: _WorkerContext, stage: ForwardStage, jobs: queue.SimpleQueue
             try:
                 job.broadcast.wait()  # line 7: the last module's derivatives are now in job.results[-1]
                 finished = job.results[-1]
-                if finished is not None and finished.finite and not any(e is not None for e in job.errors):
+                ready = finished is not None and finished.finite and not any(e is not None for e in job.errors)
+                if ready and job.learning_rates is not None:
+                    try:
+                        stage.check_update(finished.sample, finished.derivatives, job.learning_rates)
+                    except NonFiniteError as refusal:
+                        job.refusals[k] = refusal
+                    except BaseException as error:
+                        job.errors[k] = error
+                job.checked.wait()  # every module has checked its update; none has written
+                if ready and not any(r is not None for r in job.refusals) \
+                        and not any(e is not None for e in job.errors):
                     update_stage(stage, finished, job.learning_rates)
             except BaseException as error:
                 job.errors[k] = job.errors[k] or error

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
-from edgetrain.methods.base import METHODS, apply_gradients, trainable_parameters
+from edgetrain.methods.base import METHODS, apply_gradients, require_finite, trainable_parameters
 from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_forward, rope_tables
 from edgetrain.methods.mesp.loss import chunked_lm_loss
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
@@ -155,10 +155,11 @@ class StructuredBackprop:
                                  f"inputs {tuple(inputs.shape)}")
 
     @torch.no_grad()
-    def run(self, batch: Batch, on_block_gradients: BlockGradientsHook) -> torch.Tensor:
+    def run(self, batch: Batch, on_block_gradients: BlockGradientsHook, require_finite_loss: bool = False) -> torch.Tensor:
         """Forward, chunked loss, and the reverse walk over the blocks; calls
         on_block_gradients(block index, {model parameter name: gradient}) for each block, last
-        block first, as soon as its gradients exist. Returns the detached loss."""
+        block first, as soon as its gradients exist. Returns the detached loss.
+        require_finite_loss: raise NonFiniteError on a NaN/inf loss before any gradient exists."""
         self._check_batch(batch)
         model, config = self.model, self.model.config
         chunks = dict(attention_chunk=self.attention_chunk, mlp_chunk=self.mlp_chunk)
@@ -172,6 +173,8 @@ class StructuredBackprop:
         head = model.head
         loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps, head.lm_head.weight,
                                      batch.targets, self.loss_chunk)
+        if require_finite_loss:
+            require_finite(float(loss), "loss")
         del hidden
         for index in reversed(range(len(weights))):
             block_input = block_inputs.pop()
@@ -194,6 +197,7 @@ class StructuredBackprop:
         optimizer.zero_grad(set_to_none=True)
         if not self.fused_update:
             loss, grads = self.gradients(batch)
+            require_finite(float(loss), "loss")
             apply_gradients(self.params, grads, optimizer)
             return loss
 
@@ -207,7 +211,7 @@ class StructuredBackprop:
                 for param in block_params:
                     param.grad = None
 
-        return self.run(batch, update_block)
+        return self.run(batch, update_block, require_finite_loss=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # deterministic and stateless: the options come from the constructor

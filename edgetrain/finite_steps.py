@@ -1,0 +1,88 @@
+"""All-or-nothing optimizer steps: a step that meets a non-finite gradient, or whose result would not be
+finite, changes neither the weights nor the optimizer state (NonFiniteError). Installed by the learner on
+its optimizer as step hooks, so the per-block steps of fused methods are covered as well."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from edgetrain.methods.base import NonFiniteError, plain_sgd_learning_rates, require_finite_update, require_step_fits
+
+
+class FiniteOptimizerSteps:
+    """Makes every `optimizer.step()` all or nothing (step hooks, so methods that step per block are
+    covered too): a non-finite gradient is refused before the step, and so is a step whose result
+    would be non-finite (a finite gradient can still overflow the weights' dtype) -- NonFiniteError,
+    with the weights and the optimizer state exactly as before the step.
+
+    How the result is checked depends on the optimizer. Plain SGD (no momentum, weight decay, maximize
+    or fused kernel) keeps no state and writes p - lr * grad: that value is computed for one parameter
+    at a time into a temporary and checked before the step, so no copy of the weights is kept. Any
+    other optimizer's result cannot be known without running it: the parameters being stepped (those
+    with a .grad) and their optimizer state are copied before the step, checked after it and put back
+    if any came out non-finite. The copy lives only during optimizer.step(), after the backward has
+    freed the activations; for LoRA it is adapter-sized."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> None:
+        self.names = {id(p): name for name, p in params.items()}
+        self.kept: list[tuple[nn.Parameter, torch.Tensor, dict[str, Any] | None]] | None = None
+        optimizer.register_step_pre_hook(self.before)
+        optimizer.register_step_post_hook(self.after)
+
+    def _name(self, param: torch.Tensor) -> str:
+        return self.names.get(id(param), f"a parameter of shape {tuple(param.shape)}")
+
+    @torch.no_grad()
+    def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.kept = None
+        stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for param in stepped:
+            if not bool(torch.isfinite(param.grad).all()):
+                raise NonFiniteError(f"non-finite gradient for {self._name(param)}")
+        rates = plain_sgd_learning_rates(optimizer)
+        if rates is not None:
+            for param in stepped:
+                require_step_fits(-rates[id(param)], param, self._name(param), "sgd")
+                require_finite_update(torch.add(param, param.grad, alpha=-rates[id(param)]), self._name(param),
+                                      "sgd")
+            return
+        self.kept = [(p, p.detach().clone(), _copy_state(optimizer.state.get(p))) for p in stepped]
+
+    @torch.no_grad()
+    def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        kept, self.kept = self.kept, None
+        if not kept:
+            return
+        bad = next((p for p, _, _ in kept if not bool(torch.isfinite(p).all())), None)
+        if bad is None:
+            return
+        self._put_back(optimizer, kept)
+        raise NonFiniteError(f"{type(optimizer).__name__}: the update of {self._name(bad)} came out non-finite "
+                             f"({bad.dtype} overflow); the weights and optimizer state were put back")
+
+    def put_back_interrupted(self, optimizer: torch.optim.Optimizer) -> None:
+        """After an exception: a step that raised half-way (the post-hook never ran) is undone too."""
+        kept, self.kept = self.kept, None
+        if kept:
+            self._put_back(optimizer, kept)
+
+    @staticmethod
+    @torch.no_grad()
+    def _put_back(optimizer: torch.optim.Optimizer,
+                  kept: list[tuple[nn.Parameter, torch.Tensor, dict[str, Any] | None]]) -> None:
+        for param, value, state in kept:
+            param.copy_(value)
+            if state is None:
+                optimizer.state.pop(param, None)
+            else:
+                optimizer.state[param] = state
+
+
+def _copy_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not state:
+        return None
+    return {key: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            for key, value in state.items()}
