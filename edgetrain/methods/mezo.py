@@ -109,8 +109,8 @@ class ZerothOrder:
             value.add_(z, alpha=-2 * self.epsilon)
         return value
 
-    @torch.no_grad()
     def _loss_at(self, batch: Batch, directions: Directions, sign: int) -> torch.Tensor:
+        """Called under projected_gradient's no_grad: no autograd graph, inference memory."""
         h = batch.inputs
         for unit in self.units:
             perturbed: dict[str, torch.Tensor] = {}

@@ -16,7 +16,8 @@ from torch.func import functional_call
 import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.methods.tangents import TangentKey, draw_tangent
-from edgetrain.models.mlp import MLPConfig, build_mlp
+from float64_mlp import feature_batches
+import float64_mlp
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,14 +30,7 @@ RTOL = 1e-6
 
 
 def mlp_float64() -> nn.Module:
-    return build_mlp(MLPConfig(input_shape=(8,), hidden_sizes=(6, 5, 7, 6), num_classes=3, activation="tanh",
-                               seed=0)).double()
-
-
-def feature_batches(count: int, seed: int = 0) -> list[Batch]:
-    generator = torch.Generator().manual_seed(seed)
-    return [Batch(torch.randn(12, 8, generator=generator, dtype=torch.float64),
-                  torch.randint(0, 3, (12,), generator=generator), i) for i in range(count)]
+    return float64_mlp.mlp_float64((6, 5, 7, 6))
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,18 +14,13 @@ import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.models.lora import lora_layers
-from edgetrain.models.mlp import MLPConfig, build_mlp
+from float64_mlp import mlp_float64
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LR = 0.1
 RANK, ALPHA = 4, 13.0
-
-
-def mlp_float64() -> nn.Module:
-    return build_mlp(MLPConfig(input_shape=(8,), hidden_sizes=(6, 5), num_classes=3, activation="tanh",
-                               seed=0)).double()
 
 
 def feature_batch(seed: int = 0) -> Batch:

@@ -14,7 +14,7 @@ from torch import nn
 import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.methods.tangents import TangentKey, draw_tangent
-from edgetrain.models.mlp import MLPConfig, build_mlp
+from float64_mlp import feature_batches, mlp_float64
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,17 +24,6 @@ SEED = 3
 # The directional derivative dL/dv comes out of the float32 task loss (edgetrain/losses.py) as a
 # float32 number; the update is exact only to its ~1e-7 relative rounding.
 RTOL = 1e-6
-
-
-def mlp_float64() -> nn.Module:
-    return build_mlp(MLPConfig(input_shape=(8,), hidden_sizes=(6, 5), num_classes=3, activation="tanh",
-                               seed=0)).double()
-
-
-def feature_batches(count: int, seed: int = 0) -> list[Batch]:
-    generator = torch.Generator().manual_seed(seed)
-    return [Batch(torch.randn(12, 8, generator=generator, dtype=torch.float64),
-                  torch.randint(0, 3, (12,), generator=generator), i) for i in range(count)]
 
 
 def autograd_gradient(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:

@@ -15,24 +15,13 @@ from torch.func import functional_call
 import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.methods import METHODS
-from edgetrain.models.mlp import MLPConfig, build_mlp
+from float64_mlp import feature_batches, mlp_float64
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 EPSILON = 1e-3
 OPTIONS = {"seed": 7, "epsilon": EPSILON}
-
-
-def mlp_float64() -> nn.Module:
-    return build_mlp(MLPConfig(input_shape=(8,), hidden_sizes=(6, 5), num_classes=3, activation="tanh",
-                               seed=0)).double()
-
-
-def feature_batches(count: int, seed: int = 0) -> list[Batch]:
-    generator = torch.Generator().manual_seed(seed)
-    return [Batch(torch.randn(12, 8, generator=generator, dtype=torch.float64),
-                  torch.randint(0, 3, (12,), generator=generator), i) for i in range(count)]
 
 
 def directions(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -99,7 +88,8 @@ def test_mezo_through_another_optimizer_feeds_it_g_z_as_the_gradient(optimizer: 
 
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam])
 def test_mezo_puts_the_weights_back_at_theta_before_the_update(optimizer: type[torch.optim.Optimizer]):
-    # With lr = 0 the update adds nothing: what is left is what the +eps / -2 eps / +eps walk left.
+    # With lr = 0 the update adds nothing: what is left is what the two perturbed forwards left, which
+    # must be theta (they evaluate theta +/- eps z without writing it into the weights).
     # (The Learner refuses lr = 0, so the method is driven directly.)
     model = mlp_float64()
     before = weights(model)

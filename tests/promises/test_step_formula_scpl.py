@@ -16,7 +16,7 @@ from torch import nn
 import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.methods.scpl import supcon_loss
-from edgetrain.models.mlp import MLPConfig, build_mlp
+import float64_mlp
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,8 +27,7 @@ OPTIONS = {"num_components": 3, "projection_dims": (8, 4), "temperature": TEMPER
 
 
 def mlp_float64() -> nn.Module:
-    return build_mlp(MLPConfig(input_shape=(8,), hidden_sizes=(6, 5, 7), num_classes=3, activation="tanh",
-                               seed=0)).double()
+    return float64_mlp.mlp_float64((6, 5, 7))
 
 
 def feature_batch(seed: int = 0) -> Batch:

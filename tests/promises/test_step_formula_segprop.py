@@ -16,7 +16,8 @@ from torch import nn
 
 import edgetrain
 from edgetrain.data.batch import Batch
-from edgetrain.models.mlp import MLPConfig, build_mlp
+from float64_mlp import feature_batches
+import float64_mlp
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,14 +27,7 @@ STEPS_PER_STAGE = 2
 
 
 def mlp_float64() -> nn.Module:
-    return build_mlp(MLPConfig(input_shape=(8,), hidden_sizes=(6, 5, 7, 6), num_classes=3, activation="tanh",
-                               seed=0)).double()
-
-
-def feature_batches(count: int, seed: int = 0) -> list[Batch]:
-    generator = torch.Generator().manual_seed(seed)
-    return [Batch(torch.randn(12, 8, generator=generator, dtype=torch.float64),
-                  torch.randint(0, 3, (12,), generator=generator), i) for i in range(count)]
+    return float64_mlp.mlp_float64((6, 5, 7, 6))
 
 
 def stage_path(model: nn.Module, stage: int) -> tuple[list[nn.Module], list[nn.Module]]:

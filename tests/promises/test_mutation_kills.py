@@ -1,0 +1,160 @@
+"""Promises that mutation testing (tools/mutation, docs/mutation.md) found unguarded: each test here
+kills a mutant that every other test let survive. Named after the promise, not the mutant."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import edgetrain
+from edgetrain.data.batch import Batch
+from edgetrain.losses import task_loss
+from edgetrain.methods import METHODS
+from float64_mlp import feature_batches, mlp_float64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+# -- mezo ---------------------------------------------------------------------------------------------
+
+def test_mezo_default_estimate_is_the_directional_derivative_along_z():
+    # The default epsilon must be small enough that (L(theta + eps z) - L(theta - eps z)) / 2 eps is
+    # the derivative along z, not a secant over a large step.
+    model, batch, seed = mlp_float64(), feature_batches(1)[0], 11
+    method = METHODS.get("mezo")(model)
+    _, projected = method.projected_gradient(batch, seed)
+    generator = torch.Generator().manual_seed(seed)
+    z = [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in model.parameters()]
+    grads = torch.autograd.grad(task_loss(model, model(batch.inputs), batch.targets), list(model.parameters()))
+    directional = sum(float((g * d).sum()) for g, d in zip(grads, z))
+    assert abs(directional) > 0.05
+    assert projected == pytest.approx(directional, rel=1e-3)
+
+
+def test_mezo_draws_a_fresh_direction_every_step():
+    # One z for every step would confine training to a line through the initial weights.
+    model = mlp_float64()
+    learner = edgetrain.Learner(model, method="mezo", optimizer="sgd", lr=0.05, probe=False,
+                                method_options={"seed": 3})
+    points = [flat_weights(model)]
+    for batch in feature_batches(2):
+        learner.step(batch)
+        points.append(flat_weights(model))
+    first, second = points[1] - points[0], points[2] - points[1]
+    assert float(torch.nn.functional.cosine_similarity(first, second, dim=0).abs()) < 0.9
+
+
+def test_mezo_with_plain_sgd_updates_in_place_without_the_optimizer():
+    # The memory-lean path of the paper: z regenerated per parameter, no gradient buffers, so
+    # torch's optimizer step (which reads .grad) must not run.
+    model = mlp_float64()
+    learner = edgetrain.Learner(model, method="mezo", optimizer="sgd", lr=0.05, probe=False)
+    calls = []
+    learner.optimizer.register_step_pre_hook(lambda *_: calls.append(1))
+    before = flat_weights(model)
+    learner.step(feature_batches(1)[0])
+    assert calls == []
+    assert not torch.equal(flat_weights(model), before)
+
+
+@pytest.mark.parametrize("rates,weight_decay", [((0.05, 0.05), 0.1), ((0.05, 0.2), 0.0)],
+                         ids=["weight-decay-without-momentum", "two-groups-two-rates"])
+def test_mezo_through_sgd_steps_like_torch_sgd_fed_g_z(rates: tuple[float, float], weight_decay: float):
+    # Only SGD with no decay, momentum or maximize may take the in-place path, and it must honour
+    # each group's own rate: otherwise the result must be torch's SGD step on .grad = g z.
+    def setup() -> tuple[nn.Module, torch.optim.SGD]:
+        model = mlp_float64()
+        groups = [{"params": list(model.blocks.parameters()), "lr": rates[0]},
+                  {"params": list(model.head.parameters()), "lr": rates[1]}]
+        return model, torch.optim.SGD(groups, weight_decay=weight_decay)
+
+    model, optimizer = setup()
+    reference, reference_optimizer = setup()
+    assert len(list(model.parameters())) == sum(len(g["params"]) for g in optimizer.param_groups)
+    method = METHODS.get("mezo")(model, seed=5)
+    estimator = METHODS.get("mezo")(reference, seed=5)
+    for batch in feature_batches(2):
+        _, grads = estimator.gradients(batch)
+        for name, param in reference.named_parameters():
+            param.grad = grads[name]
+        reference_optimizer.step()
+        estimator.steps_taken += 1  # gradients() is the diagnostic path: it does not count a step
+        method.step(batch, optimizer)
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-10, atol=1e-14, msg=name)
+
+
+# -- bp / mebp ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["bp", "mebp"])
+def test_backprop_keeps_no_gradient_buffers_between_steps(method: str, tiny_lora, text_batches):
+    # Between steps only the weights (and optimizer state) are held: the memory budget counts
+    # weights plus the step's measured peak, not a gradient per parameter left over.
+    learner = edgetrain.Learner(tiny_lora(), method=method, optimizer="sgd", lr=0.1, probe=False)
+    learner.step(text_batches(1)[0])
+    assert all(param.grad is None for param in learner.params.values())
+
+
+@pytest.mark.parametrize("method", ["bp", "mebp"])
+def test_backprop_compute_gradients_is_this_batch_gradient_whatever_grad_held(method: str, tiny_lora, text_batches):
+    model, batch = tiny_lora(), text_batches(1)[0]
+    learner = edgetrain.Learner(model, method=method, probe=False)
+    _, expected = learner.compute_gradients(batch)
+    for param in learner.params.values():  # left over from the caller's own backward, say
+        param.grad = torch.ones_like(param)
+    _, grads = learner.compute_gradients(batch)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=0, msg=name)
+
+
+class _BlocksAndAScale(nn.Module):
+    """A block view (embed, blocks, head) plus a trainable parameter outside it, and a weight tied
+    between two modules: MeZO cannot run this model unit by unit and must perturb it whole."""
+    task = "classify"
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, 5, dtype=torch.float64)
+        self.blocks = nn.ModuleList([nn.Linear(5, 5, dtype=torch.float64)])
+        self.head = nn.Linear(5, 5, dtype=torch.float64)
+        self.head.weight = self.blocks[0].weight  # tied: one parameter under two names
+        self.scale = nn.Parameter(torch.tensor(1.3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.blocks[0](h))
+        return self.head(h) * self.scale
+
+
+def test_mezo_perturbs_a_model_without_a_complete_block_view_whole_tied_weights_included():
+    model = _BlocksAndAScale()
+    generator = torch.Generator().manual_seed(4)
+    batch = Batch(torch.randn(6, 4, generator=generator, dtype=torch.float64),
+                  torch.randint(0, 5, (6,), generator=generator), 0)
+    before = flat_weights(model)
+    method = METHODS.get("mezo")(model)
+    _, projected = method.projected_gradient(batch, 9)
+    assert torch.equal(flat_weights(model), before)
+    # z regenerated as documented: one generator seeded with the step's seed, one draw per trainable
+    # parameter in the model's order (the tied one once).
+    generator = torch.Generator().manual_seed(9)
+    params = [p for _, p in model.named_parameters()]
+    z = [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in params]
+    grads = torch.autograd.grad(task_loss(model, model(batch.inputs), batch.targets), params)
+    directional = sum(float((g * d).sum()) for g, d in zip(grads, z))
+    assert abs(directional) > 0.05
+    assert projected == pytest.approx(directional, rel=1e-3)
+
+
+def test_mezo_forwards_build_no_autograd_graph():
+    # MeZO needs no more memory than inference: its two forwards must not record the activations that
+    # a backward would need, although the perturbed weights derive from parameters that require grad.
+    model = mlp_float64()
+    loss, _ = METHODS.get("mezo")(model).projected_gradient(feature_batches(1)[0], 2)
+    assert all(p.requires_grad for p in model.parameters())
+    assert not loss.requires_grad and loss.grad_fn is None
