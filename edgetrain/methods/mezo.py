@@ -4,6 +4,9 @@ Two forwards at theta +/- eps*z give the directional derivative along a random G
 update is -lr * that * z. z is never stored: it is regenerated, parameter by parameter, from the
 step's seed, so the method needs no more memory than inference.
 
+Options (Learner(method_options=...)): epsilon -- the perturbation scale (default 1e-3); seed -- the run
+seed of the perturbations (default 0; step k draws z from a seed made of (seed, k)).
+
 z is drawn as documented: one generator per device seeded with the step's seed, one N(0, I) draw
 per trainable parameter in the model's order. The generator's state before each draw is remembered
 (a few kB per parameter), so any parameter's z can be drawn again on its own, in any order.

@@ -158,3 +158,77 @@ def test_mezo_forwards_build_no_autograd_graph():
     loss, _ = METHODS.get("mezo")(model).projected_gradient(feature_batches(1)[0], 2)
     assert all(p.requires_grad for p in model.parameters())
     assert not loss.requires_grad and loss.grad_fn is None
+
+
+# -- defaults -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,defaults", [
+    ("mezo", {"epsilon": 1e-3, "seed": 0}),
+    ("fgd", {"seed": 0, "alpha_spec": 1.0, "num_tangents": 1}),
+])
+def test_method_defaults_are_the_documented_ones(method: str, defaults: dict):
+    # The module docstrings (edgetrain/methods/mezo.py, fgd.py) say these; a run with the defaults is
+    # only reproducible across versions if they stay.
+    built = METHODS.get(method)(mlp_float64())
+    assert {key: getattr(built, key) for key in defaults} == defaults
+
+
+def test_subnet_dp_defaults_are_the_documented_ones():
+    import edgetrain.distributed.subnet.method as subnet
+
+    built = subnet.SubnetDPSimulation(_subnet_resnet())
+    assert built.options == {"num_workers": 4, "overlap": 2, "masking": "block", "mask_seed": 0, "load_slack": None}
+
+
+# -- subnet DP ----------------------------------------------------------------------------------------
+
+def _subnet_resnet() -> nn.Module:
+    from edgetrain.models.resnet_subnet import build_subnet_resnet, digits_subnet_config
+
+    return build_subnet_resnet(digits_subnet_config())
+
+def test_subnet_dp_resumes_only_into_the_same_worker_plan(tmp_path):
+    # Another N, P or mask seed would average over other owners: the resumed run would not be the
+    # checkpointed one.
+    import edgetrain.distributed.subnet.method  # noqa: F401  (registers subnet_dp)
+
+    def learner(**options):
+        return edgetrain.Learner(_subnet_resnet(), method="subnet_dp", optimizer="sgd", lr=0.05, probe=False,
+                                 method_options={"num_workers": 2, "overlap": 1, **options})
+
+    generator = torch.Generator().manual_seed(0)
+    saved = learner()
+    saved.step(Batch(torch.rand(4, 1, 8, 8, generator=generator), torch.randint(0, 10, (4,), generator=generator), 0))
+    path = saved.save(tmp_path / "subnet.safetensors")
+    resumed = learner().load(path)
+    assert resumed.steps_done == 1
+    with pytest.raises(edgetrain.EdgetrainError, match="subnet_dp"):
+        learner(mask_seed=5).load(path)
+
+
+def test_subnet_dp_with_one_worker_is_plain_gradient_descent():
+    # N = P = 1 is the degenerate plan a user reaches by scaling a run down: one worker owning
+    # everything, so its average is its own full-batch gradient.
+    import torch.nn.functional as F
+
+    from edgetrain.distributed.subnet.method import SubnetDPSimulation
+
+    model = _subnet_resnet()
+    generator = torch.Generator().manual_seed(1)
+    batch = Batch(torch.rand(6, 1, 8, 8, generator=generator), torch.randint(0, 10, (6,), generator=generator), 0)
+    loss, grads = SubnetDPSimulation(model, num_workers=1, overlap=1).gradients(batch)
+    reference = F.cross_entropy(model(batch.inputs), batch.targets)
+    expected = torch.autograd.grad(reference, list(model.parameters()))
+    torch.testing.assert_close(loss, reference.detach(), rtol=1e-6, atol=1e-7)
+    for (name, _), want in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("members,payload,expected", [(1, 1000, 0), (2, 1000, 1000), (4, 1000, 1500),
+                                                      (5, 1000, 1600)])
+def test_subnet_wire_bytes_are_a_ring_all_reduce(members: int, payload: int, expected: int):
+    # The subnet run's report counts what each rank sends: a ring all-reduce among n ranks sends
+    # 2 (n - 1) / n of the payload, and a set of one sends nothing.
+    from edgetrain.distributed.subnet.averaging import _ring_wire_bytes
+
+    assert _ring_wire_bytes(payload, members) == expected

@@ -10,6 +10,9 @@ exactly the distributed run's averaged gradient for the same global batch (teste
 no memory (the full model, and one gradient per worker in turn, live in this process); the real
 method is the torchrun trainer (edgetrain.distributed.subnet.trainer / .run). This is for
 experiments on one machine, the diagnostics of §5, and checking the distributed engine.
+
+Options and their defaults: num_workers 4, overlap (P) 2, masking "block", mask_seed 0, load_slack None
+(the plan's own). A checkpoint resumes only into a learner with the same options.
 """
 from __future__ import annotations
 
