@@ -239,6 +239,17 @@ def build_components(model: nn.Module, objective: str, *, num_components: int | 
                                              f"and {index} (tied weights); each component must own its parameters")
                     component.params[trainable[id(param)]] = param
         components.append(component)
+    # A trainable parameter no component owns would never get a gradient: its model would train a
+    # function other than model(x) (e.g. a scale applied before the head, outside embed/blocks/head).
+    # (The local heads of the other objective, left on the model by an earlier method, are not part of
+    # model(x) either way.)
+    other_heads = tuple(f"{attribute}." for attribute in HEAD_ATTRIBUTES.values())
+    unowned = sorted(name for key, name in trainable.items() if key not in owner and not name.startswith(other_heads))
+    if unowned:
+        raise EdgetrainError(f"{type(model).__name__}: trainable parameters outside the components "
+                             f"({', '.join(unowned[:3])}{', ...' if len(unowned) > 3 else ''}) would never train; "
+                             "local learning needs every trainable parameter inside embed/blocks/head "
+                             "(or freeze them with requires_grad_(False))")
     return components
 
 

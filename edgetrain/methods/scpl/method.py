@@ -29,7 +29,7 @@ Options (Learner(method_options=...)):
   projection       -- "auto" (MLP for images, identity for text), "mlp", "linear", "identity";
                       projection_dims -- (hidden, out) of the MLP, (512, 1024)
   classifier_hidden -- early_exit's local classifier width for images (512)
-  seed             -- seeds the local heads' initialisation and the augmentation draws
+  seed             -- seeds the local heads' initialisation and the augmentation draws (0)
   example_inputs   -- a small input batch, for models whose config does not give the input shape
 """
 from __future__ import annotations
