@@ -113,7 +113,14 @@ class AsyncFGD:
     def set_alpha(self, alpha: AlphaSpec) -> None:
         """Change the tangent scales from the next step on. A sample already in flight drew its
         tangents with the old scales; its update draws them with the new ones (the paper's ramp
-        changes alpha once per epoch, so at most K-1 samples see the switch)."""
+        changes alpha once per epoch, so at most K-1 samples see the switch). Without tangent
+        checkpointing the in-flight samples' tangents are kept as drawn, with the old scales, so a change
+        while samples are in flight is refused: it would update them with other tangents than the
+        documented ones (and a parameter unfrozen mid-flight would have no kept tangent at all)."""
+        if not self.bank.checkpoint and any(item is not None for item in self.in_flight):
+            raise EdgetrainError(f"{self.name}: set_alpha with samples in flight needs tangent_checkpoint=True "
+                                 "(kept tangents carry the old scales); change alpha before the first step, "
+                                 "or use tangent checkpointing")
         self.bank.alpha = resolve_alpha(alpha, self.params)
         self.alpha_spec = alpha
 
@@ -185,7 +192,9 @@ class AsyncFGD:
         for stage in self.stages:
             stage.seed = self.seed
         self.steps_taken = int(state["steps_taken"])
-        self.set_alpha(state["alpha"])
+        # Not set_alpha: the pipeline is replaced below, its kept tangents drawn again at these scales.
+        self.bank.alpha = resolve_alpha(state["alpha"], self.params)
+        self.alpha_spec = state["alpha"]
         self.in_flight = [None if item is None else _decode_in_flight(item, self.device)
                           for item in state["in_flight"]]
         self.bank.clear()
