@@ -18,6 +18,8 @@ import itertools
 import sys
 from pathlib import Path
 
+import torch
+
 import edgetrain
 from edgetrain.data import default_text_corpus, find_text_files, text_stream
 
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the adapter's initialisation")
     parser.add_argument("--held-out-fraction", type=float, default=0.05, help="end of the text kept for evaluation")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches evaluated")
     parser.add_argument("--checkpoint-dir", default=None, help="resume from / checkpoint to this directory")
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     # Hold out the end of the text: the training stream never sees it.
     cut = int(len(text) * (1 - args.held_out_fraction))
     model = edgetrain.load_model("tiny")
+    # LoRA's A matrices start random: seeded, two runs of the sample print the same numbers.
+    torch.manual_seed(args.seed)
     edgetrain.add_lora(model, rank=args.rank)
     train = text_stream(seq_len=args.seq, batch_size=args.batch, text=text[:cut], shuffle=True, seed=0,
                         vocab_size=model.config.vocab_size)
