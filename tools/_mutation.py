@@ -89,7 +89,8 @@ TARGETS: dict[str, Target] = {
         "tests/methods/test_fgd.py"]),
     "fgd": Target(["edgetrain/methods/fgd.py"], [
         "tests/promises/test_step_formula*fgd*.py", KILLS, KILLS_OF.format("fgd"), KILLS_OF.format("tangents"),
-        "tests/methods/test_fgd.py", NON_FINITE,
+        "tests/methods/test_fgd.py", "tests/methods/test_asyncfgd.py::test_learner_resumes_mid_pipeline_exactly",
+        NON_FINITE,
         "tests/reliability/test_resume_restores_everything.py"]),
     "asyncfgd": Target(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "edgetrain/methods/asyncfgd").glob("*.py")
                               if p.name != "__init__.py"), [

@@ -145,10 +145,13 @@ def test_staleness_indices_are_those_of_eq_6_to_8(num_modules):
     assert not same_weights(model, fgd_model)
 
 
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_learner_resumes_mid_pipeline_exactly(tmp_path, checkpoint):
+@pytest.mark.parametrize("checkpoint,alpha", [(True, 1.0), (False, 1.0), (False, {"head": 0.0})],
+                         ids=["checkpointed", "kept", "kept-frozen-head"])
+def test_learner_resumes_mid_pipeline_exactly(tmp_path, checkpoint, alpha):
+    # Without checkpointing the kept tangents of the samples in flight are state: a resumed pipeline must
+    # keep them again (drawn from their seeds) for exactly the perturbed parameters.
     options = {"num_modules": 3, "runtime": "threads", "num_tangents": 2, "tangent_checkpoint": checkpoint,
-               "seed": 11}
+               "seed": 11, "alpha": alpha}
 
     def learner():
         return edgetrain.Learner(deep_mlp(), method="asyncfgd", lr=0.05, probe=False, method_options=options)
@@ -162,6 +165,7 @@ def test_learner_resumes_mid_pipeline_exactly(tmp_path, checkpoint):
     first.save(tmp_path / "ckpt.safetensors")
     resumed = learner().load(tmp_path / "ckpt.safetensors")
     assert resumed.method.steps_taken == 5 and all(item is not None for item in resumed.method.in_flight)
+    assert (resumed.method.bank.kept_bytes() > 0) == (not checkpoint)
     resumed_losses = [resumed.step(b).loss for b in stream[5:]]
     assert same_weights(straight.model, resumed.model)
     assert resumed_losses == straight_losses[5:]
