@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from edgetrain.registry import EdgetrainError
+from edgetrain.user_files import require_regular_file
 
 # The checksum of tensors AND metadata. Files written before it carry LEGACY_CHECKSUM_KEY, a checksum of
 # the tensors only: they are still read (their metadata unverified), so existing checkpoints and adapters
@@ -261,9 +262,7 @@ def load_safetensors_checked(path: str | Path) -> tuple[dict[str, torch.Tensor],
     """Tensors and metadata of a file written by atomic_save_safetensors, after verifying its checksum."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
-    if not path.is_file():
-        raise CorruptCheckpointError(f"checkpoint {path} does not exist")
+    path = require_regular_file(path, CorruptCheckpointError, "the checkpoint")
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = dict(handle.metadata() or {})
@@ -288,8 +287,8 @@ def metadata_json(metadata: dict[str, str], key: str, source: str, required: tup
         value = json.loads(metadata[key])
     except KeyError:
         raise CorruptCheckpointError(f"{source}: metadata {key!r} is missing") from None
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{source}: metadata {key!r} is not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, TypeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{source}: metadata {key!r} is not valid JSON ({exc!r})") from None
     if not isinstance(value, dict):
         raise CorruptCheckpointError(f"{source}: metadata {key!r} is not a JSON object")
     missing = [name for name in required if name not in value]

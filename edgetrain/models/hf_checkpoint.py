@@ -4,7 +4,6 @@ Only safetensors are read: no pickle, so a checkpoint from an untrusted source c
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch import nn
 from edgetrain.models.llama import ConfigError
 from edgetrain.models.zoo import ARCHITECTURES
 from edgetrain.registry import EdgetrainError, UnknownNameError
+from edgetrain.user_files import read_json_object, require_regular_file
 
 
 class CheckpointError(EdgetrainError, OSError):
@@ -22,46 +22,50 @@ class CheckpointError(EdgetrainError, OSError):
 
 def read_config(directory: Path) -> dict[str, Any]:
     config_path = directory / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face-format checkpoint directory)")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{config_path}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{config_path}: must hold a JSON object")
-    return raw
+    return read_json_object(config_path, ConfigError, "the model config")
+
+
+def _shard_names(index_path: Path) -> list[str]:
+    index = read_json_object(index_path, CheckpointError, "the shard index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: damaged shard index (weight_map must be a non-empty object "
+                              "of tensor name -> shard file)")
+    bad = [(key, name) for key, name in weight_map.items() if not isinstance(name, str) or not name]
+    if bad:
+        key, name = bad[0]
+        raise CheckpointError(f"{index_path}: damaged shard index: weight_map[{key!r}] = {name!r} is not a file name")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if Path(name).name != name or name in (".", ".."):  # a shard must not escape the checkpoint directory
+            raise CheckpointError(f"{index_path}: shard name {name!r} is not a plain file name")
+    return names
 
 
 def safetensors_files(directory: Path) -> list[Path]:
     index_path = directory / "model.safetensors.index.json"
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-            shard_names = sorted(set(weight_map.values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index_path}: damaged shard index ({exc!r})") from None
-        for name in shard_names:
-            if Path(name).name != name:  # a shard name must not escape the checkpoint directory
-                raise CheckpointError(f"{index_path}: shard name {name!r} is not a plain file name")
-        files = [directory / name for name in shard_names]
-        missing = [str(f) for f in files if not f.is_file()]
+    if index_path.exists():
+        files = [directory / name for name in _shard_names(index_path)]
+        missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     if not files:
         if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
             raise CheckpointError(f"{directory}: only pickle weights (*.bin/*.pt) found; edgetrain loads "
                                   "safetensors only (convert with transformers' save_pretrained(safe_serialization=True))")
         raise CheckpointError(f"{directory}: no *.safetensors weight files")
-    return files
+    return [require_regular_file(f, CheckpointError, "a weight shard") for f in files]
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    require_regular_file(path, CheckpointError, "a weight shard")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError, OverflowError) as exc:
@@ -85,6 +89,9 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
         if tuple(tensor.shape) != want:
             raise CheckpointError(f"{source}: tensor {key!r} has shape {tuple(tensor.shape)}, "
                                   f"the model expects {want}")
+        if expected[name].is_floating_point() and not tensor.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {key!r} holds {tensor.dtype} values; the model's weights "
+                                  "are floating point")
         state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     missing = [k for k in expected if k not in state and k not in tied_aliases]
     if missing:

@@ -29,6 +29,26 @@ class ConfigError(EdgetrainError, ValueError):
     """A model config (config.json or preset) whose values cannot describe a working model."""
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_llama3_scaling(scaling: dict[str, Any], check: Any) -> None:
+    """Llama 3.1 scaling needs `factor`; its other fields have defaults but, when given, must make sense
+    (rope_inverse_frequencies divides by factor and by high_freq_factor - low_freq_factor)."""
+    def field_ok(name: str, default: Any, integer: bool = False) -> bool:
+        value = scaling.get(name, default)
+        return _is_number(value) and value > 0 and (not integer or float(value).is_integer())
+
+    check("rope_scaling", "factor" in scaling and field_ok("factor", None), "llama3 needs a finite factor > 0")
+    for name, default in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)):
+        check("rope_scaling", field_ok(name, default), f"llama3 {name} must be a finite number > 0")
+    check("rope_scaling", scaling.get("high_freq_factor", 4.0) > scaling.get("low_freq_factor", 1.0),
+          "llama3 high_freq_factor must exceed low_freq_factor")
+    check("rope_scaling", field_ok("original_max_position_embeddings", 8192, integer=True),
+          "llama3 original_max_position_embeddings must be a positive integer")
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int = 256
@@ -72,14 +92,19 @@ class LlamaConfig:
         check("num_key_value_heads", self.num_attention_heads % self.num_key_value_heads == 0,
               f"must divide num_attention_heads ({self.num_attention_heads})")
         check("head_dim", self.head_dim % 2 == 0, "must be even for RoPE")
-        check("rms_norm_eps", isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < 1,
-              "must be in (0, 1)")
-        check("rope_theta", isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1,
-              "must be > 1")
+        check("rms_norm_eps", _is_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "must be in (0, 1)")
+        check("rope_theta", _is_number(self.rope_theta) and 1 < self.rope_theta < math.inf, "must be a finite number > 1")
+        # A JSON string "false" is truthy: a flag must be a real boolean, or the model is silently wrong.
+        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+            check(name, isinstance(getattr(self, name), bool), "must be true or false")
+        check("model_type", isinstance(self.model_type, str), "must be a string")
         if self.rope_scaling is not None:
+            check("rope_scaling", isinstance(self.rope_scaling, dict), "must be an object or null")
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             check("rope_scaling", kind in ("llama3", "default"),
                   "only rope_type 'llama3' (or 'default') is supported")
+            if kind == "llama3":
+                _check_llama3_scaling(self.rope_scaling, check)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
@@ -88,7 +113,7 @@ class LlamaConfig:
             raise ConfigError("config.json must hold a JSON object")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known and v is not None}
-        if raw.get("model_type") == "qwen2":
+        if raw.get("model_type") == "qwen2" and isinstance(values.get("attention_bias", True), bool):
             values["attention_bias"] = True  # Qwen2 always has q/k/v bias; its config does not say so
         rope_params = raw.get("rope_parameters")
         if isinstance(rope_params, dict):  # newer transformers nest theta and scaling here
@@ -98,11 +123,12 @@ class LlamaConfig:
         if "rope_scaling" in values and not isinstance(values["rope_scaling"], dict):
             raise ConfigError(f"config.json rope_scaling must be an object or null, "
                               f"got {type(values['rope_scaling']).__name__}")
-        if values.get("rope_scaling", {}).get("rope_type", "default") == "default":
+        scaling = values.get("rope_scaling", {})
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             values.pop("rope_scaling", None)
         for name in ("rms_norm_eps", "rope_theta"):
             if name in values and isinstance(values[name], int) and not isinstance(values[name], bool):
-                values[name] = float(values[name])
+                values[name] = float(values[name]) if abs(values[name]) < 2 ** 1000 else math.inf
         missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if n not in values]
         if missing:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -16,10 +16,22 @@ from torch import nn
 
 from edgetrain.registry import EdgetrainError
 
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 # Short target names -> the module attribute they adapt inside a decoder block.
 LORA_TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                 "down": "mlp.down_proj"}
+
+
+class AdapterError(EdgetrainError, ValueError):
+    """An adapter directory or file that is missing, damaged or does not fit the model."""
+
+
+# Far beyond any adapter of a decoder a device could train; a larger rank is a damaged config.
+_MAX_RANK = 1 << 16
 
 
 @dataclass
@@ -30,16 +42,40 @@ class LoraConfig:
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self) -> None:
+        if isinstance(self.targets, str) or not isinstance(self.targets, (list, tuple)):
+            raise AdapterError(f"LoRA targets must be a list of names ({', '.join(LORA_TARGETS)}), "
+                               f"got {self.targets!r}")
         self.targets = tuple(self.targets)
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        unknown = [t for t in self.targets if not isinstance(t, str) or t not in LORA_TARGETS]
         if unknown:
-            raise EdgetrainError(f"unknown LoRA target(s) {unknown}; known: {', '.join(LORA_TARGETS)}")
+            raise AdapterError(f"unknown LoRA target(s) {unknown}; known: {', '.join(LORA_TARGETS)}")
         if not self.targets:
-            raise EdgetrainError("LoRA needs at least one target module")
-        if not (isinstance(self.rank, int) and self.rank > 0):
-            raise EdgetrainError(f"LoRA rank must be a positive integer, got {self.rank!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise EdgetrainError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+            raise AdapterError("LoRA needs at least one target module")
+        if len(set(self.targets)) != len(self.targets):
+            raise AdapterError(f"LoRA targets {list(self.targets)} name a module twice")
+        if not (isinstance(self.rank, int) and not isinstance(self.rank, bool) and 0 < self.rank <= _MAX_RANK):
+            raise AdapterError(f"LoRA rank must be an integer in 1..{_MAX_RANK}, got {self.rank!r}")
+        # alpha sets the scale alpha / rank of every update: NaN, inf or a string would reach the weights.
+        if not (_is_real(self.alpha) and 0 < self.alpha < math.inf):
+            raise AdapterError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}")
+        if not (_is_real(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise AdapterError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> "LoraConfig":
+        """The config stored with an adapter (`source` names the file in errors)."""
+        from edgetrain.user_files import parse_json
+
+        raw = parse_json(text, AdapterError, f"{source} (LoRA config)")
+        known = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or not set(raw) <= known:
+            extra = sorted(set(raw) - known) if isinstance(raw, dict) else type(raw).__name__
+            raise AdapterError(f"{source}: damaged LoRA config (expected an object of {', '.join(sorted(known))}; "
+                               f"got {extra})")
+        try:
+            return cls(**raw)
+        except AdapterError as exc:
+            raise AdapterError(f"{source}: {exc}") from None
 
     @property
     def scale(self) -> float:
@@ -107,15 +143,20 @@ def add_lora(model: nn.Module, config: LoraConfig | None = None, **overrides) ->
         raise EdgetrainError(f"{type(model).__name__} has no block view (model.blocks); cannot add LoRA")
     if lora_layers(model):
         raise EdgetrainError("model already has LoRA adapters")
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     for param in model.parameters():
         param.requires_grad_(False)
-    for block in model.blocks:
-        for target in config.targets:
-            parent, attr = _resolve(block, LORA_TARGETS[target])
-            base = getattr(parent, attr)
-            if not isinstance(base, nn.Linear):
-                raise EdgetrainError(f"LoRA target {target!r} is a {type(base).__name__}, not a Linear")
-            setattr(parent, attr, LoRALinear(base, config.rank, config.alpha, config.dropout))
+    try:
+        for block in model.blocks:
+            for target in config.targets:
+                parent, attr = _resolve(block, LORA_TARGETS[target])
+                base = getattr(parent, attr)
+                if not isinstance(base, nn.Linear):
+                    raise EdgetrainError(f"LoRA target {target!r} is a {type(base).__name__}, not a Linear")
+                setattr(parent, attr, LoRALinear(base, config.rank, config.alpha, config.dropout))
+    except BaseException:  # a model half wrapped is worse than none: give every base linear back
+        remove_lora(model, requires_grad)
+        raise
     model.lora_config = config
     return model
 
@@ -149,23 +190,68 @@ def save_lora(model: nn.Module, path: str | Path) -> Path:
     return atomic_save_safetensors(tensors, path, metadata={"lora_config": json.dumps(asdict(config))})
 
 
+def remove_lora(model: nn.Module, requires_grad: dict[str, bool] | None = None) -> None:
+    """Undo add_lora: every LoRALinear gives its base linear back (in place); `requires_grad` (name ->
+    flag, as before add_lora) restores which base weights were trainable."""
+    for name, layer in list(lora_layers(model).items()):
+        parent_path, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_path), attr, layer.base)
+    for name, param in model.named_parameters():
+        if requires_grad is not None and name in requires_grad:
+            param.requires_grad_(requires_grad[name])
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+
+
+def _check_adapter_tensors(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Every adapter tensor of the model present, nothing else (a base weight's name would overwrite it),
+    each with its shape, floating point and finite."""
+    for name, tensor in tensors.items():
+        if name not in own:
+            raise AdapterError(f"{path}: adapter tensor {name!r} has no place among this model's LoRA weights")
+        if own[name].shape != tensor.shape:
+            raise AdapterError(f"{path}: adapter tensor {name!r} has shape {tuple(tensor.shape)}, "
+                               f"the model expects {tuple(own[name].shape)}")
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{path}: adapter tensor {name!r} holds {tensor.dtype} values, not floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{path}: adapter tensor {name!r} holds NaN or infinite values")
+    missing = sorted(set(own) - set(tensors))
+    if missing:
+        raise AdapterError(f"{path}: missing adapter tensor(s) {', '.join(missing[:5])}"
+                           + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
 def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load adapter weights saved by save_lora; adds adapters with the saved config when absent."""
+    """Load adapter weights saved by save_lora; adds adapters with the saved config when absent.
+
+    Strict, and all or nothing: the file's config must equal the adapters the model already has (a
+    different alpha would silently rescale every update), it must hold exactly the model's adapter
+    tensors, and on any error the model is left as it was (adapters added here are removed again)."""
     from edgetrain.checkpoint import load_safetensors_checked
 
     tensors, metadata = load_safetensors_checked(path)
     if "lora_config" not in metadata:
-        raise EdgetrainError(f"{path}: not a LoRA adapter file (no lora_config in its metadata)")
-    config = LoraConfig(**json.loads(metadata["lora_config"]))
-    if not lora_layers(model):
+        raise AdapterError(f"{path}: not a LoRA adapter file (no lora_config in its metadata)")
+    config = LoraConfig.from_json(metadata["lora_config"], str(path))
+    existing = getattr(model, "lora_config", None) if lora_layers(model) else None
+    if existing is not None:
+        differ = [f"{field} {getattr(config, field)!r} (the model's: {getattr(existing, field)!r})"
+                  for field in ("rank", "alpha", "targets") if getattr(config, field) != getattr(existing, field)]
+        if differ:
+            raise AdapterError(f"{path}: the adapter's LoRA config differs from the model's adapters: "
+                               + "; ".join(differ))
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+    if existing is None:
         add_lora(model, config)
+    try:
+        _check_adapter_tensors(tensors, lora_state_dict(model), path)
+    except AdapterError:
+        if existing is None:
+            remove_lora(model, requires_grad)
+        raise
     own = dict(model.named_parameters())
-    for name, tensor in tensors.items():
-        if name not in own:
-            raise EdgetrainError(f"{path}: adapter tensor {name!r} has no place in this model")
-        if own[name].shape != tensor.shape:
-            raise EdgetrainError(f"{path}: adapter tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(own[name].shape)}")
-        with torch.no_grad():
+    with torch.no_grad():
+        for name, tensor in tensors.items():
             own[name].copy_(tensor)
     return model

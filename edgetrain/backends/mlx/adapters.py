@@ -22,19 +22,16 @@ import mlx.nn as nn
 import numpy as np
 
 from edgetrain.backends.mlx.loading import to_numpy
-from edgetrain.backends.mlx.lora import add_lora, lora_layers, set_parameters, trainable_parameters
+from edgetrain.backends.mlx.lora import (add_lora, linear_shape, lora_layers, resolve_path, set_parameters,
+                                         trainable_parameters)
 from edgetrain.checkpoint import (atomic_save_safetensors, atomic_write_directory, load_safetensors_checked,
                                   readable_directory)
-from edgetrain.models.lora import LORA_TARGETS, LoraConfig
-from edgetrain.registry import EdgetrainError
+from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig
+from edgetrain.user_files import read_json_object, require_regular_file
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _TARGET_OF_PATH = {path: target for target, path in LORA_TARGETS.items()}
-
-
-class AdapterError(EdgetrainError, ValueError):
-    """An adapter directory or file that is missing, damaged or does not fit the model."""
 
 
 def mlx_lm_key(block: int, path: str, part: str) -> str:
@@ -98,24 +95,33 @@ def read_mlx_lm_adapters(directory: str | Path) -> tuple[LoraConfig, int, dict[s
     """(LoraConfig, num_layers, {mlx-lm key: float32 array}) of an mlx-lm adapter directory."""
     directory = readable_directory(directory)
     config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
-    if not config_path.is_file() or not weights_path.is_file():
+    if not config_path.exists() or not weights_path.exists():
         raise AdapterError(f"{directory}: an mlx-lm adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    try:
-        raw = json.loads(config_path.read_text(encoding="utf-8"))
-        fine_tune_type = raw.get("fine_tune_type", "lora")
-        num_layers = int(raw["num_layers"])
-        params = raw["lora_parameters"]
-        rank, scale = int(params["rank"]), float(params["scale"])
-        dropout = float(params.get("dropout", 0.0))
-        keys = params.get("keys")
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise AdapterError(f"{config_path}: not an mlx-lm adapter config ({exc!r})") from None
+    raw = read_json_object(config_path, AdapterError, "the mlx-lm adapter config")
+    fine_tune_type = raw.get("fine_tune_type", "lora")
     if fine_tune_type != "lora":
         raise AdapterError(f"{config_path}: fine_tune_type {fine_tune_type!r}; edgetrain reads LoRA adapters only")
+    params = raw.get("lora_parameters")
+    if not isinstance(params, dict):
+        raise AdapterError(f"{config_path}: not an mlx-lm adapter config (lora_parameters must be an object)")
+    num_layers = raw.get("num_layers")
+    rank, scale, dropout, keys = params.get("rank"), params.get("scale"), params.get("dropout", 0.0), params.get("keys")
+    for name, value in (("num_layers", num_layers), ("lora_parameters.rank", rank)):
+        # int(2.7) would quietly adapt two blocks: an integer field must be a JSON integer.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise AdapterError(f"{config_path}: {name} must be an integer, got {value!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise AdapterError(f"{config_path}: lora_parameters.scale must be a number, got {scale!r}")
+    if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)):
+        raise AdapterError(f"{config_path}: lora_parameters.keys must be a list of module paths, got {keys!r}")
+    require_regular_file(weights_path, AdapterError, "the mlx-lm adapter weights")
     try:
         weights = {k: to_numpy(v).astype(np.float32) for k, v in mx.load(str(weights_path), format="safetensors").items()}
     except (RuntimeError, ValueError, OSError) as exc:
         raise AdapterError(f"{weights_path}: damaged or unreadable safetensors file ({exc})") from None
+    broken = [k for k, array in weights.items() if not np.isfinite(array).all()]
+    if broken:
+        raise AdapterError(f"{weights_path}: adapter tensor {broken[0]!r} holds NaN or infinite values")
     paths = {_parse_key(key, str(weights_path))[1] for key in weights}
     if keys is None:
         # mlx-lm adapts every linear of a block when "keys" is absent: the tensors name them.
@@ -123,33 +129,66 @@ def read_mlx_lm_adapters(directory: str | Path) -> tuple[LoraConfig, int, dict[s
     unknown = [k for k in keys if k not in _TARGET_OF_PATH]
     if unknown or not keys:
         raise AdapterError(f"{config_path}: LoRA keys {unknown or keys} are not decoder projections edgetrain adapts")
-    config = LoraConfig(rank=rank, alpha=scale * rank, dropout=dropout,
-                        targets=tuple(_TARGET_OF_PATH[k] for k in keys))
+    try:
+        config = LoraConfig(rank=rank, alpha=scale * rank, dropout=dropout,
+                            targets=tuple(_TARGET_OF_PATH[k] for k in keys))
+    except AdapterError as exc:
+        raise AdapterError(f"{config_path}: {exc}") from None
     return config, num_layers, weights
 
 
+def _adapter_shapes(model: nn.Module, config: LoraConfig, num_layers: int) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the adapter tensors add_lora(model, config, num_layers=...) would create, read off
+    the model without changing it."""
+    total = len(model.blocks)
+    count = num_layers if num_layers > 0 else total  # mlx-lm: 0 and -1 mean every block
+    if count > total:
+        raise AdapterError(f"the adapter is for the last {count} blocks; the model has {total}")
+    shapes = {}
+    for index in range(total - count, total):
+        for target in config.targets:
+            parent, attr = resolve_path(model.blocks[index], LORA_TARGETS[target])
+            out_features, in_features = linear_shape(getattr(parent, attr))
+            name = f"blocks.{index}.{LORA_TARGETS[target]}"
+            shapes[f"{name}.lora_a"], shapes[f"{name}.lora_b"] = (in_features, config.rank), (config.rank, out_features)
+    return shapes
+
+
 def load_mlx_lm_adapters(model: nn.Module, directory: str | Path) -> nn.Module:
-    """Load an mlx-lm adapter directory into `model` (adding the adapters when it has none), strictly:
-    every adapter tensor present with its shape, none without a place."""
+    """Load an mlx-lm adapter directory into `model` (adding the adapters when it has none), strictly and
+    all or nothing: the config equal to the model's adapters when it has some, every adapter tensor
+    present with its shape, none without a place; everything is checked before the model is touched."""
     config, num_layers, weights = read_mlx_lm_adapters(directory)
-    if not lora_layers(model):
-        # mlx-lm adapts model.layers[-max(num_layers, 0):]: 0 and -1 mean every block.
-        add_lora(model, config, num_layers=num_layers if num_layers > 0 else None)
-    own = trainable_parameters(model)
-    values = {}
+    existing = getattr(model, "lora_config", None) if lora_layers(model) else None
+    if existing is not None:
+        differ = [f"{field} {getattr(config, field)!r} (the model's: {getattr(existing, field)!r})"
+                  for field in ("rank", "alpha", "targets") if getattr(config, field) != getattr(existing, field)]
+        if differ:
+            raise AdapterError(f"{directory}: the adapter's LoRA config differs from the model's adapters: "
+                               + "; ".join(differ))
+        shapes = {name: tuple(array.shape) for name, array in trainable_parameters(model).items()}
+    else:
+        try:
+            shapes = _adapter_shapes(model, config, num_layers)
+        except AdapterError as exc:
+            raise AdapterError(f"{directory}: {exc}") from None
+    renamed = {}
     for key, array in weights.items():
         index, path, part = _parse_key(key, str(directory))
         name = f"blocks.{index}.{path}.{part}"
-        if name not in own:
+        if name not in shapes:
             raise AdapterError(f"{directory}: adapter tensor {key!r} has no place in this model")
-        if tuple(array.shape) != tuple(own[name].shape):
+        if tuple(array.shape) != shapes[name]:
             raise AdapterError(f"{directory}: adapter tensor {key!r} has shape {tuple(array.shape)}, "
-                               f"the model expects {tuple(own[name].shape)}")
-        values[name] = mx.array(array).astype(own[name].dtype)
-    missing = sorted(set(own) - set(values))
+                               f"the model expects {shapes[name]}")
+        renamed[name] = array
+    missing = sorted(set(shapes) - set(renamed))
     if missing:
         raise AdapterError(f"{directory}: missing adapter tensor(s) {', '.join(missing[:5])}")
-    set_parameters(model, values)
+    if existing is None:
+        add_lora(model, config, num_layers=num_layers if num_layers > 0 else None)
+    own = trainable_parameters(model)
+    set_parameters(model, {name: mx.array(array).astype(own[name].dtype) for name, array in renamed.items()})
     mx.eval(model.trainable_parameters())
     return model
 
@@ -159,7 +198,7 @@ def torch_adapter_to_mlx_lm(torch_file: str | Path, directory: str | Path) -> Pa
     tensors, metadata = load_safetensors_checked(torch_file)
     if "lora_config" not in metadata:
         raise AdapterError(f"{torch_file}: not an edgetrain LoRA adapter file (no lora_config in its metadata)")
-    config = LoraConfig(**json.loads(metadata["lora_config"]))
+    config = LoraConfig.from_json(metadata["lora_config"], str(torch_file))
     converted = {}
     for name, tensor in tensors.items():
         head, _, part = name.rpartition(".")

@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from edgetrain.backends.mlx.model import MLXDecoder, hf_key_to_edgetrain
 from edgetrain.backends.mlx.quantize import DEFAULT_GROUP_SIZE, ComputeMode, quantize_block, quantize_model
 from edgetrain.models.hf_checkpoint import CheckpointError, read_config, safetensors_files
+from edgetrain.user_files import require_regular_file
 from edgetrain.models.llama import ConfigError, LlamaConfig
 from edgetrain.registry import EdgetrainError
 
@@ -125,6 +126,9 @@ def _assign(model: MLXDecoder, tensors: dict[str, mx.array], source: str) -> Non
         if tuple(array.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                                   f"the model expects {tuple(expected[name].shape)}")
+        if mx.issubdtype(expected[name].dtype, mx.floating) and not mx.issubdtype(array.dtype, mx.floating):
+            raise CheckpointError(f"{source}: tensor {name!r} holds {array.dtype} values; the model's weights "
+                                  "are floating point")
         values.append((name, array))
     present = {name for name, _ in values}
     missing = [k for k in expected if k not in present]
@@ -136,6 +140,7 @@ def _assign(model: MLXDecoder, tensors: dict[str, mx.array], source: str) -> Non
 
 
 def _read_safetensors(path: Path) -> dict[str, mx.array]:
+    require_regular_file(path, CheckpointError, "a weight shard")
     try:
         return mx.load(str(path), format="safetensors")
     except (RuntimeError, ValueError, OSError) as exc:

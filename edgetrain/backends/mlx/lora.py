@@ -52,7 +52,7 @@ def linear_shape(linear: nn.Module) -> tuple[int, int]:
     raise EdgetrainError(f"LoRA adapts linear layers, not a {type(linear).__name__}")
 
 
-def _resolve(block: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+def resolve_path(block: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     parent_path, _, attr = dotted.rpartition(".")
     parent = block
     for part in parent_path.split("."):
@@ -76,7 +76,7 @@ def add_lora(model: nn.Module, config: LoraConfig | None = None, *, num_layers: 
     model.freeze()
     for block in model.blocks[total - num_layers:]:
         for target in config.targets:
-            parent, attr = _resolve(block, LORA_TARGETS[target])
+            parent, attr = resolve_path(block, LORA_TARGETS[target])
             setattr(parent, attr, LoRALinear(getattr(parent, attr), config.rank, config.scale, config.dropout))
     model.lora_config = config
     mx.eval(model.trainable_parameters())

@@ -1,0 +1,66 @@
+"""Every adversarial case of tests/reliability is counted by fault class and outcome, and the counts print
+at the end of the run (conftest.py), so a run says how many hostile cases it tried and that none was
+unhandled or silently wrong. Outcomes:
+  refused         a named EdgetrainError (the promise for anything damaged or hostile);
+  accepted        the input was usable and the result was checked to be right;
+  unhandled       any other exception: the test fails with it;
+  silently wrong  no error, but the result or the state is not what the input says: the test fails.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+from edgetrain.registry import EdgetrainError
+
+# The fault classes of issue 20 (docs/reliability.md has one row each).
+CLASSES = ("checkpoint metadata", "non-finite numbers", "hostile model files", "adapters", "batches",
+           "resources and paths", "resume semantics")
+FAILURES = ("unhandled", "silently wrong")
+COUNTS: Counter[tuple[str, str]] = Counter()
+
+
+def attempt(fault_class: str, action: Callable[[], Any], sound: Callable[[Any], bool] | None = None) -> Any:
+    """Run `action`; return the EdgetrainError it raised, or its result when `sound(result)` holds."""
+    assert fault_class in CLASSES, fault_class
+    try:
+        result = action()
+    except EdgetrainError as exc:
+        COUNTS[fault_class, "refused"] += 1
+        return exc
+    except Exception:
+        COUNTS[fault_class, "unhandled"] += 1
+        raise
+    if sound is not None and not sound(result):
+        COUNTS[fault_class, "silently wrong"] += 1
+        raise AssertionError(f"{fault_class}: accepted without an error, but the result is wrong: {result!r}")
+    COUNTS[fault_class, "accepted"] += 1
+    return result
+
+
+def record(fault_class: str, outcome: str) -> None:
+    """Count an outcome observed elsewhere (in a child process, say)."""
+    assert fault_class in CLASSES and outcome in ("refused", "accepted") + FAILURES, (fault_class, outcome)
+    COUNTS[fault_class, outcome] += 1
+
+
+def refused(fault_class: str, action: Callable[[], Any], match: str | None = None) -> EdgetrainError:
+    """Run `action`, which must raise a named EdgetrainError (whose message contains `match`)."""
+    outcome = attempt(fault_class, action, sound=lambda result: False)
+    assert isinstance(outcome, EdgetrainError)
+    if match is not None:
+        assert match in str(outcome), f"{fault_class}: the error does not say {match!r}: {outcome}"
+    return outcome
+
+
+def table() -> list[str]:
+    """The counts as text lines, one per fault class that ran."""
+    outcomes = ("refused", "accepted") + FAILURES
+    lines = [f"{'fault class':<22}" + "".join(f"{o:>16}" for o in outcomes)]
+    for fault_class in CLASSES:
+        if any(COUNTS[fault_class, o] for o in outcomes):
+            lines.append(f"{fault_class:<22}" + "".join(f"{COUNTS[fault_class, o]:>16}" for o in outcomes))
+    total = sum(COUNTS.values())
+    lines.append(f"{total} adversarial cases; {sum(COUNTS[c, f] for c in CLASSES for f in FAILURES)} "
+                 "unhandled or silently wrong")
+    return lines
