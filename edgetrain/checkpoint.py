@@ -92,15 +92,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_temps(path: Path, suffix: str) -> None:
-    pattern = _temp_pattern(path.name, suffix)
+def _remove_stale_temps(path: Path, suffix: str, name_pattern: str | None = None) -> None:
+    """Remove the temps of `path` (or, with `name_pattern`, of every sibling whose name matches it) that
+    were left by writers no longer alive."""
+    pattern = (_temp_pattern(path.name, suffix) if name_pattern is None else
+               re.compile(rf"\.{name_pattern}\.(\d+)\.[0-9a-f]{{8}}{re.escape(suffix)}"))
     try:
         entries = list(os.scandir(path.parent))
     except OSError:
         return
     for entry in entries:
         match = pattern.fullmatch(entry.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not _pid_alive(int(match.group(match.lastindex))):
             _remove(Path(entry.path))
 
 
@@ -297,6 +300,15 @@ def metadata_json(metadata: dict[str, str], key: str, source: str, required: tup
     return value
 
 
+def check_counters(state: dict, source: str) -> None:
+    """steps_done and stream_position of a learner checkpoint are whole numbers >= 0 (JSON could hold
+    anything: a crafted file is refused like a damaged one)."""
+    for key in ("steps_done", "stream_position"):
+        value = state.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CorruptCheckpointError(f"{source}: {key} must be a whole number >= 0, got {value!r}")
+
+
 def flatten_optimizer_state(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split torch optimizer state into tensors (for safetensors) and a JSON-able remainder."""
     tensors: dict[str, torch.Tensor] = {}
@@ -324,17 +336,57 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> d
         raise CorruptCheckpointError(f"optimizer state in the checkpoint metadata is damaged ({exc!r})") from None
 
 
+_ROTATING_NAME = r"step-(\d+)\.safetensors"
+
+
 def rotating_checkpoint_paths(directory: str | Path) -> list[Path]:
-    """Checkpoints written by save_rotating, newest first."""
-    return sorted(Path(directory).glob("step-*.safetensors"), reverse=True)
+    """Checkpoints written by save_rotating, newest first: regular files named step-<digits>.safetensors
+    (a stray directory or `step-old.safetensors` is not one, and is neither loaded nor rotated away)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    steps = []
+    for entry in entries:
+        match = re.fullmatch(_ROTATING_NAME, entry.name)
+        if match and entry.is_file():
+            steps.append((int(match.group(1)), entry.name))
+    return [Path(directory) / name for _, name in sorted(steps, reverse=True)]
 
 
 def save_rotating(tensors: dict[str, torch.Tensor], metadata: dict[str, str], directory: str | Path,
                   step: int, keep: int = 2) -> Path:
-    """Write step-NNNNNNNN.safetensors atomically, then drop all but the newest `keep`."""
+    """Write step-NNNNNNNN.safetensors atomically, then drop all but the newest `keep`, and the temps of
+    earlier saves whose writer was killed (each save has its own name, so no later save of that name
+    would find them)."""
     path = atomic_save_safetensors(tensors, Path(directory) / f"step-{step:08d}.safetensors", metadata)
     for old in rotating_checkpoint_paths(directory)[max(keep, 1):]:
         old.unlink(missing_ok=True)
+    _remove_stale_temps(path, ".tmp", name_pattern=_ROTATING_NAME)
+    return path
+
+
+def ensure_writable_directory(directory: str | Path, what: str) -> Path:
+    """`directory`, created if absent, after proving a file can be written in it: a run finds out that its
+    checkpoints or its adapter cannot be saved before it trains, not at the first save."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = _make_temp(directory / ".write-test", ".tmp", directory=False)
+        probe.unlink()
+    except OSError as exc:
+        raise EdgetrainError(f"{what} {directory} is not a writable directory ({exc.strerror or exc})") from None
+    return directory
+
+
+def ensure_writable_target(path: str | Path, what: str, directory: bool = False) -> Path:
+    """Check before any work that `path` can be saved: its parent is a writable directory and `path` is not
+    already something else (a directory where a file goes, or the reverse)."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        kind = "a directory" if path.is_dir() else "a file"
+        raise EdgetrainError(f"{what} {path} is {kind}; it must be {'a directory' if directory else 'a file'}")
+    ensure_writable_directory(path.parent, f"the directory of {what}")
     return path
 
 

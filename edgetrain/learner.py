@@ -26,9 +26,10 @@ from torch import nn
 from edgetrain import backends as _backends  # noqa: F401  (registers backends)
 from edgetrain import methods as _methods  # noqa: F401  (registers methods)
 from edgetrain.backends import get_backend
-from edgetrain.checkpoint import (atomic_save_safetensors, flatten_optimizer_state, load_latest_good,
-                                  load_safetensors_checked, metadata_json, save_rotating,
-                                  unflatten_optimizer_state)
+from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensors, check_counters,
+                                  ensure_writable_directory, flatten_optimizer_state, load_latest_good,
+                                  load_safetensors_checked, metadata_json, rotating_checkpoint_paths,
+                                  save_rotating, unflatten_optimizer_state)
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.losses import task_loss
@@ -67,21 +68,24 @@ FALLBACK_ORDER = ("mebp", "mesp", "mezo")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+# An exabyte: no device holds more; a larger size is a typo or a hostile value, not a budget.
+_MAX_BYTES = 2 ** 60
+
+
 def parse_bytes(value: int | str) -> int:
-    """512 * 2**20, "512MiB", "1.5 GB" -> bytes."""
+    """512 * 2**20, "512MiB", "1.5 GB" -> bytes (positive, finite, at most 2**60)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise EdgetrainError(f"memory budget must be positive, got {value}")
-        return int(value)
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):] or "b"
-    try:
-        amount = float(number) * _UNITS[unit]
-    except (KeyError, ValueError):
-        raise EdgetrainError(f"cannot read memory size {value!r}; use bytes or e.g. '512MiB', '2GB'") from None
-    if amount <= 0:
-        raise EdgetrainError(f"memory budget must be positive, got {value!r}")
+        amount = value
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(number):] or "b"
+        try:
+            amount = float(number) * _UNITS[unit]
+        except (KeyError, ValueError):
+            raise EdgetrainError(f"cannot read memory size {value!r}; use bytes or e.g. '512MiB', '2GB'") from None
+    if not 0 < amount <= _MAX_BYTES:  # also false for NaN
+        raise EdgetrainError(f"memory size {value!r} must be a positive number of bytes up to 2**60")
     return int(amount)
 
 
@@ -295,10 +299,7 @@ class Learner:
             candidates = [m for m in self.fallback_methods if m not in [t.split(":")[0] for t in tried]]
             if not candidates:
                 raise MemoryBudgetError(self._budget_message(batch, stats, tried))
-            self.method_name = candidates[0]
-            # The original method's options do not apply to another method.
-            self.method_options = {}
-            self.method = METHODS.get(self.method_name)(self.model)
+            self._use_method(candidates[0])
             print(f"edgetrain: {tried[-1]} is over the {self.memory_budget / 2**20:,.1f} MiB budget; "
                   f"falling back to {self.method_name}", file=sys.stderr)
             self._budget_checked = False
@@ -398,36 +399,67 @@ class Learner:
 
     def resume(self, directory: str | Path) -> Path | None:
         """Load the newest good checkpoint in `directory` (None when there is none yet)."""
-        if not Path(directory).is_dir() or not any(Path(directory).glob("step-*.safetensors")):
+        if not rotating_checkpoint_paths(directory):
             return None
         # A checkpoint whose state cannot be restored (CorruptCheckpointError) is skipped like a damaged file.
         path, _, _ = load_latest_good(directory, warn=lambda m: print(m, file=sys.stderr),
                                       restore=lambda p, tensors, metadata: self._restore(tensors, metadata, str(p)))
         return path
 
+    def _use_method(self, name: str) -> None:
+        self.method_name = name
+        # The original method's options do not apply to another method.
+        self.method_options = {}
+        self.method = METHODS.get(name)(self.model)
+
     def _restore(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> None:
+        """Restore a checkpoint, all or nothing: everything is checked first, and if applying it still
+        fails, the weights, optimizer state, RNG and method are put back as they were."""
         if metadata.get("format") != CHECKPOINT_FORMAT:
             raise EdgetrainError(f"{source} is not an edgetrain learner checkpoint")
-        if metadata.get("method") != self.method_name:
-            raise EdgetrainError(f"{source} was written by method {metadata.get('method')!r}, "
+        saved_method = metadata.get("method")
+        # A run that fell back to a lower-memory method (fallback_methods) saved that method: resuming
+        # continues with it, as the uninterrupted run would have.
+        if saved_method != self.method_name and saved_method not in self.fallback_methods:
+            raise EdgetrainError(f"{source} was written by method {saved_method!r}, "
                                  f"this learner runs {self.method_name!r}")
         state = metadata_json(metadata, "state", source, ("steps_done", "stream_position", "method", "optimizer"))
         check_same_schedule(state, self.lr_schedule, self.base_lrs, source)
+        check_counters(state, source)
+        for name, param in self.params.items():
+            saved = tensors.get(f"param/{name}")
+            if saved is None or saved.shape != param.shape:
+                raise EdgetrainError(f"{source}: parameter {name!r} is missing or has the wrong shape")
+        optimizer_state = unflatten_optimizer_state(tensors, state["optimizer"])
+        before = (self._snapshot(), torch.get_rng_state(), self.method_name, self.method_options, self.method,
+                  {name: b.clone() for name, b in self.model.named_buffers()})
+        try:
+            if saved_method != self.method_name:
+                self._use_method(saved_method)
+            self._apply_restored(tensors, state, optimizer_state)
+        except BaseException as exc:
+            snapshot, rng, self.method_name, self.method_options, self.method, buffers = before
+            self._restore_snapshot(snapshot)
+            torch.set_rng_state(rng)
+            with torch.no_grad():
+                for name, buffer in self.model.named_buffers():
+                    buffer.copy_(buffers[name])
+            if isinstance(exc, Exception) and not isinstance(exc, EdgetrainError):
+                raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
+            raise
+
+    def _apply_restored(self, tensors: dict[str, torch.Tensor], state: dict, optimizer_state: dict) -> None:
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for name, param in self.params.items():
-                saved = tensors.get(f"param/{name}")
-                if saved is None or saved.shape != param.shape:
-                    raise EdgetrainError(f"{source}: parameter {name!r} is missing or has the wrong shape")
-                param.copy_(saved)
+                param.copy_(tensors[f"param/{name}"])
             for name, buffer in buffers.items():
                 if f"buffer/{name}" in tensors:
                     buffer.copy_(tensors[f"buffer/{name}"])
-        self.optimizer.load_state_dict(unflatten_optimizer_state(tensors, state["optimizer"]))
+        self.optimizer.load_state_dict(optimizer_state)
         torch.set_rng_state(tensors["rng/torch"])
         self.method.load_state_dict(state["method"])
-        self.steps_done = int(state["steps_done"])
-        self.stream_position = int(state["stream_position"])
+        self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]
 
     # -- a stream ------------------------------------------------------------------------------
     def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
@@ -438,8 +470,15 @@ class Learner:
 
         Every `checkpoint_every` steps the learner is written atomically to `checkpoint_dir`;
         every `eval_every` steps `eval_batches()` is evaluated. Callbacks get (learner, stats)."""
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+            raise EdgetrainError(f"fit: checkpoint_every must be a whole number of steps >= 0, got {checkpoint_every!r}")
         if checkpoint_every and checkpoint_dir is None:
             raise EdgetrainError("fit: checkpoint_every needs a checkpoint_dir")
+        if checkpoint_dir is not None and not checkpoint_every:
+            raise EdgetrainError(f"fit: checkpoint_dir {str(checkpoint_dir)!r} is given but checkpoint_every is 0, "
+                                 "so no checkpoint would ever be written")
+        if checkpoint_dir is not None:
+            ensure_writable_directory(checkpoint_dir, "fit: checkpoint_dir")
         if eval_every and eval_batches is None:
             raise EdgetrainError("fit: eval_every needs eval_batches")
         history: list[StepStats] = []

@@ -71,6 +71,21 @@ ADAPTER_FUNCTIONS: dict[str, Callable[[], tuple[Callable, Callable]]] = {"torch"
                                                                         "mlx": _mlx_adapters}
 
 
+def _check_outputs(args: argparse.Namespace, framework: str) -> None:
+    """Refuse, before any work, a run whose checkpoints or adapter could not be written."""
+    from edgetrain.checkpoint import ensure_writable_directory, ensure_writable_target
+    from edgetrain.registry import EdgetrainError
+
+    if args.checkpoint_dir is not None:
+        if args.checkpoint_every < 1:
+            raise EdgetrainError(f"--checkpoint-every {args.checkpoint_every}: must be at least 1 with "
+                                 "--checkpoint-dir (0 would never write a checkpoint)")
+        ensure_writable_directory(args.checkpoint_dir, "--checkpoint-dir")
+    if args.save_adapter is not None:
+        # torch writes one .safetensors file; MLX an mlx-lm adapter directory.
+        ensure_writable_target(args.save_adapter, "--save-adapter", directory=framework == "mlx")
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -80,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     backend = get_backend(args.backend)
+    _check_outputs(args, backend.framework)
     add_lora, save_adapter = ADAPTER_FUNCTIONS[backend.framework]()
     model = edgetrain.load_model(args.model, backend=args.backend)
     stream_options = {"batch_size": args.batch, "seed": args.seed}

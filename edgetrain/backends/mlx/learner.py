@@ -26,7 +26,7 @@ from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import set_parameters, trainable_parameters
 from edgetrain.backends.mlx.methods import MLX_METHODS, lm_loss
 from edgetrain.backends.mlx.optim import FlatOptimizer
-from edgetrain.checkpoint import metadata_json
+from edgetrain.checkpoint import CorruptCheckpointError, check_counters, metadata_json
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
 from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe,
@@ -248,29 +248,42 @@ class MLXLearner(Learner):
         return tensors, metadata
 
     def _restore(self, tensors: dict[str, Any], metadata: dict[str, str], source: str) -> None:
+        """Restore a checkpoint, all or nothing (everything is checked before anything is set)."""
         if metadata.get("format") != CHECKPOINT_FORMAT:
             raise EdgetrainError(f"{source} is not an edgetrain MLX learner checkpoint")
-        if metadata.get("method") != self.method_name:
-            raise EdgetrainError(f"{source} was written by method {metadata.get('method')!r}, "
+        saved_method = metadata.get("method")
+        # A run that fell back to a lower-memory method saved that method: resuming continues with it.
+        if saved_method != self.method_name and saved_method not in self.fallback_methods:
+            raise EdgetrainError(f"{source} was written by method {saved_method!r}, "
                                  f"this learner runs {self.method_name!r}")
         state = metadata_json(metadata, "state", source, ("steps_done", "stream_position", "method"))
         check_same_schedule(state, self.lr_schedule, self.base_lrs, source)
-        params = self.params
+        check_counters(state, source)
         restored = {}
-        for name, param in params.items():
+        for name, param in self.params.items():
             saved = tensors.get(f"param/{name}")
             if saved is None or tuple(saved.shape) != tuple(param.shape):
                 raise EdgetrainError(f"{source}: parameter {name!r} is missing or has the wrong shape")
             restored[name] = mx.array(saved.float().numpy()).astype(param.dtype)
-        set_parameters(self.model, restored)
         restored_state = {}
         for name, value in _flatten_state(self.optimizer.optimizer.state).items():
             saved = tensors.get(f"optimizer/{name}")
             if saved is None or tuple(saved.shape) != tuple(value.shape):
                 raise EdgetrainError(f"{source}: optimizer state {name!r} is missing or has the wrong shape")
             restored_state[name] = mx.array(saved.numpy()).astype(value.dtype)
-        self.optimizer.optimizer.state = _unflatten_state(restored_state)
-        self.method.load_state_dict(state["method"])
-        self.steps_done = int(state["steps_done"])
-        self.stream_position = int(state["stream_position"])
+        before = (self._snapshot(), self.method_name, self.method_options, self.method)
+        try:
+            if saved_method != self.method_name:
+                self.method_name, self.method_options = saved_method, {}
+                self.method = MLX_METHODS.get(saved_method)(self.model)
+            set_parameters(self.model, restored)
+            self.optimizer.optimizer.state = _unflatten_state(restored_state)
+            self.method.load_state_dict(state["method"])
+        except BaseException as exc:
+            snapshot, self.method_name, self.method_options, self.method = before
+            self._restore_snapshot(snapshot)
+            if isinstance(exc, Exception) and not isinstance(exc, EdgetrainError):
+                raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
+            raise
+        self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]
         mx.eval(self.model.trainable_parameters(), self.optimizer.optimizer.state)
