@@ -145,6 +145,36 @@ def test_a_failed_step_keeps_no_tangent_for_the_batch_that_did_not_enter(monkeyp
     assert unchanged(model, before) and method.steps_taken == 2
 
 
+@pytest.mark.parametrize("runtime", ["reference", "threads"])
+def test_a_failed_step_keeps_no_tangent_any_module_drew_in_it_and_the_retry_is_exact(monkeypatch, runtime):
+    # Module k draws its tangents for sample t - k during step t. When the step fails nothing advances,
+    # so what modules k >= 1 drew in it must go too (in_flight_tensors() would report them, and they
+    # would sit in memory until the retry), and the retry must give the uninterrupted run's weights.
+    def method_on(model):
+        return AsyncFGD(model, num_modules=3, runtime=runtime, num_tangents=2, tangent_checkpoint=False)
+
+    batches = feature_batches(5)
+    reference_model = mlp_float64()
+    reference = method_on(reference_model)
+    for batch in batches:
+        reference.step(batch, plain_sgd(reference_model))
+    model = mlp_float64()
+    method = method_on(model)
+    for batch in batches[:3]:
+        method.step(batch, plain_sgd(model))
+    kept_before = method.bank.kept_bytes()
+    last = method.stages[-1]
+    real_forward = last.forward
+    monkeypatch.setattr(last, "forward", lambda *args: (real_forward(*args), fail("module 2 failed")())[1])
+    with pytest.raises(RuntimeError, match="module 2 failed"):
+        method.step(batches[3], plain_sgd(model))
+    assert method.bank.kept_bytes() == kept_before and method.steps_taken == 3
+    monkeypatch.setattr(last, "forward", real_forward)
+    for batch in batches[3:]:
+        method.step(batch, plain_sgd(model))
+    assert all(torch.equal(p, dict(reference_model.named_parameters())[n]) for n, p in model.named_parameters())
+
+
 def test_a_sample_that_leaves_without_updating_keeps_no_tangent_behind():
     # A sample with a non-finite loss leaves the pipeline without updating any module; the tangents
     # the modules kept for it (tangent_checkpoint=False) are never taken by an update, so they must be

@@ -133,7 +133,11 @@ class AsyncFGD:
         try:
             outcome: TimestampOutcome = self.runtime.run([entering, *self.in_flight], learning_rates)
         except Exception:
-            self.stages[0].release(t)
+            # Nothing advanced: module k drew its tangents this step for sample t - k, and the retry draws
+            # them again under the same keys, so none may stay kept in between.
+            for k, stage in enumerate(self.stages):
+                if t - k >= 0:
+                    stage.release(t - k)
             raise
         finished = outcome.finished
         self.in_flight = outcome.in_flight
