@@ -31,6 +31,7 @@ from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensor
                                   load_safetensors_checked, metadata_json, rotating_checkpoint_paths,
                                   save_rotating, unflatten_optimizer_state)
 from edgetrain.data.batch import Batch
+from edgetrain.data.fingerprint import check_same_data
 from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.losses import task_loss
 from edgetrain.finite_steps import FiniteOptimizerSteps
@@ -185,6 +186,10 @@ class Learner:
         self._step_probe = self.probe
         self.steps_done = 0
         self.stream_position = 0
+        # What the stream fed (IndexedStream.fingerprint), saved with each checkpoint; after a resume, the
+        # checkpoint's, until fit has checked that the stream it is given is the same data.
+        self.data_fingerprint: dict | None = None
+        self._resumed_data: tuple[dict, str] | None = None
         self._budget_checked = self.memory_budget is None
 
     # -- one batch -----------------------------------------------------------------------------
@@ -379,7 +384,8 @@ class Learner:
                                          "method": self.method.state_dict(),
                                          "optimizer": optimizer_rest,
                                          "lr_schedule": self.lr_schedule.to_dict(),
-                                         "base_lrs": self.base_lrs})}
+                                         "base_lrs": self.base_lrs,
+                                         "data": self.data_fingerprint})}
         return tensors, metadata
 
     def save(self, path: str | Path) -> Path:
@@ -436,7 +442,7 @@ class Learner:
         try:
             if saved_method != self.method_name:
                 self._use_method(saved_method)
-            self._apply_restored(tensors, state, optimizer_state)
+            self._apply_restored(tensors, state, optimizer_state, source)
         except BaseException as exc:
             snapshot, rng, self.method_name, self.method_options, self.method, buffers = before
             self._restore_snapshot(snapshot)
@@ -448,7 +454,8 @@ class Learner:
                 raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
             raise
 
-    def _apply_restored(self, tensors: dict[str, torch.Tensor], state: dict, optimizer_state: dict) -> None:
+    def _apply_restored(self, tensors: dict[str, torch.Tensor], state: dict, optimizer_state: dict,
+                        source: str) -> None:
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():
             for name, param in self.params.items():
@@ -460,16 +467,21 @@ class Learner:
         torch.set_rng_state(tensors["rng/torch"])
         self.method.load_state_dict(state["method"])
         self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]
+        data = state.get("data")
+        self.data_fingerprint = data if isinstance(data, dict) else None
+        self._resumed_data = (self.data_fingerprint, source) if self.data_fingerprint is not None else None
 
     # -- a stream ------------------------------------------------------------------------------
     def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
             eval_batches: Callable[[], Iterable[Batch]] | None = None, checkpoint_every: int = 0,
             checkpoint_dir: str | Path | None = None, callbacks: Iterable[Callable] = (),
-            progress: bool = True, log_every: int = 10) -> list[StepStats]:
+            progress: bool = True, log_every: int = 10, allow_data_change: bool = False) -> list[StepStats]:
         """Drive `stream` until `max_steps` steps are done in total (resumed steps count).
 
         Every `checkpoint_every` steps the learner is written atomically to `checkpoint_dir`;
-        every `eval_every` steps `eval_batches()` is evaluated. Callbacks get (learner, stats)."""
+        every `eval_every` steps `eval_batches()` is evaluated. Callbacks get (learner, stats).
+        After a resume, a stream that feeds other data than the checkpoint was trained on is refused
+        (DataChangedError) unless `allow_data_change` (then training goes on with the new data)."""
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
             raise EdgetrainError(f"fit: checkpoint_every must be a whole number of steps >= 0, got {checkpoint_every!r}")
         if checkpoint_every and checkpoint_dir is None:
@@ -481,6 +493,13 @@ class Learner:
             ensure_writable_directory(checkpoint_dir, "fit: checkpoint_dir")
         if eval_every and eval_batches is None:
             raise EdgetrainError("fit: eval_every needs eval_batches")
+        fingerprint = stream.fingerprint() if callable(getattr(stream, "fingerprint", None)) else None
+        if self._resumed_data is not None:
+            saved, source = self._resumed_data
+            check_same_data(saved, fingerprint, source, allow_data_change)
+        self._resumed_data = None
+        if fingerprint is not None:
+            self.data_fingerprint = fingerprint
         history: list[StepStats] = []
         iterator: Iterator[Batch] = iter(stream)
         while self.steps_done < max_steps:

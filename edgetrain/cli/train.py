@@ -34,6 +34,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--save-adapter", default=None,
                         help="write the LoRA adapter here at the end (torch: a .safetensors file; mlx: an "
                              "mlx-lm adapter directory)")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="resume a checkpoint on other data than it was trained on (refused otherwise)")
     parser.add_argument("--quiet", action="store_true")
     return parser
 
@@ -113,7 +115,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"resumed from {resumed} (step {learner.steps_done})", file=sys.stderr)
     stream = make_stream(args.data, start_index=learner.stream_position, **stream_options)
     learner.fit(stream, max_steps=args.steps, checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
-                checkpoint_dir=args.checkpoint_dir, progress=not args.quiet)
+                checkpoint_dir=args.checkpoint_dir, progress=not args.quiet,
+                allow_data_change=args.allow_data_change)
     if args.checkpoint_dir and learner.steps_done % max(args.checkpoint_every, 1):
         learner.save_rotating(args.checkpoint_dir)
     if args.save_adapter:

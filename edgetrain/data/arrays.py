@@ -1,11 +1,12 @@
 """A stream of labelled examples held in memory (digits, Fashion-MNIST, features of a frozen model)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from edgetrain.data.batch import Batch
+from edgetrain.data.fingerprint import tensors_digest
 from edgetrain.data.indexed import EpochOrder, IndexedStream
 from edgetrain.registry import EdgetrainError
 
@@ -43,6 +44,10 @@ class ArrayStream(IndexedStream):
             raise EdgetrainError(f"{len(features)} examples: too few for one batch of {batch_size}")
         self.shuffle, self.seed = shuffle, seed
         self._order = EpochOrder(len(features), shuffle=shuffle, seed=seed)
+
+    def _fingerprint_fields(self) -> dict[str, Any]:
+        return {"examples": len(self.features), "sha256": tensors_digest(self.features, self.labels),
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
 
     def batch(self, index: int) -> Batch:
         epoch, within = divmod(index, self.batches_per_epoch)

@@ -8,7 +8,7 @@ the app was killed needs (the index to resume from is the last trained `Batch.in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -62,6 +62,17 @@ class IndexedStream(ABC):
     @abstractmethod
     def batch(self, index: int) -> Batch:
         """Batch number `index` (counted from 0 over all epochs), a pure function of the settings."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What this stream feeds, as JSON-able fields: a checkpoint records it, and resuming on a stream
+        whose fingerprint differs is refused (edgetrain.data.fingerprint). Cached: the data never changes."""
+        if getattr(self, "_fingerprint_cache", None) is None:
+            self._fingerprint_cache = {"stream": type(self).__name__, **self._fingerprint_fields()}
+        return dict(self._fingerprint_cache)
+
+    @abstractmethod
+    def _fingerprint_fields(self) -> dict[str, Any]:
+        """The settings batch(i) depends on, and a digest of the data."""
 
     @property
     def total_batches(self) -> int | None:

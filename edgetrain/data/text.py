@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from edgetrain.data.batch import Batch
+from edgetrain.data.fingerprint import tensors_digest
 from edgetrain.data.indexed import EpochOrder, IndexedStream
 from edgetrain.data.tokenizer import ByteTokenizer, Tokenizer
 from edgetrain.registry import EdgetrainError
@@ -79,6 +80,19 @@ def _describe_files(files: Sequence[Path]) -> str:
     return shown + (f" and {len(files) - 5} more files" if len(files) > 5 else "")
 
 
+def encode_compact(tokenizer: Tokenizer, text: str) -> torch.Tensor:
+    """The token ids of `text` in the narrowest integer dtype that holds the tokenizer's vocabulary: one
+    byte per byte of text with the byte tokenizer (read straight from the UTF-8, with no Python list of
+    ints, which costs about 36 bytes a token on the way), four bytes per token otherwise. Batches widen
+    them to long."""
+    if type(tokenizer) is ByteTokenizer:
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else \
+            torch.zeros(0, dtype=torch.uint8)
+    ids = tokenizer.encode(text)
+    dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32 if tokenizer.vocab_size < 2 ** 31 else torch.long
+    return torch.tensor(ids, dtype=dtype)
+
+
 class TextStream(IndexedStream):
     """Batches of `batch_size` windows of `seq_len + 1` consecutive tokens: inputs [B, seq_len] are the
     first seq_len tokens of each window, targets [B, seq_len] the last seq_len, so targets[:, t] is
@@ -115,7 +129,8 @@ class TextStream(IndexedStream):
                 raise EdgetrainError(f"unknown text corpus {corpus!r}; known corpora: {', '.join(TEXT_CORPORA)}")
             text, self.source = TEXT_CORPORA[corpus](), f"the built-in {corpus} corpus"
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-        self.tokens = torch.tensor(self.tokenizer.encode(text), dtype=torch.long)
+        self.tokens = encode_compact(self.tokenizer, text)
+        del text  # the tokens are all the stream keeps
         self.seq_len, self.batch_size = seq_len, batch_size
         self.vocab_size = vocab_size
         needed = batch_size * (seq_len + 1)
@@ -130,6 +145,11 @@ class TextStream(IndexedStream):
         self.shuffle, self.seed = shuffle, seed
         self._order = EpochOrder(self.windows, shuffle=shuffle, seed=seed)
 
+    def _fingerprint_fields(self) -> dict[str, Any]:
+        return {"tokens": len(self.tokens), "sha256": tensors_digest(self.tokens),
+                "tokenizer": f"{type(self.tokenizer).__name__}/{self.tokenizer.vocab_size}",
+                "seq_len": self.seq_len, "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
+
     def _check_ids_fit(self, vocab_size: int) -> None:
         if vocab_size <= 0:
             raise EdgetrainError(f"vocab_size must be positive, got {vocab_size}")
@@ -143,7 +163,7 @@ class TextStream(IndexedStream):
         epoch, within = divmod(index, self.batches_per_epoch)
         windows = self._order(epoch)[within * self.batch_size:(within + 1) * self.batch_size]
         span = self.seq_len + 1
-        rows = self.tokens[:self.windows * span].view(self.windows, span)[windows]
+        rows = self.tokens[:self.windows * span].view(self.windows, span)[windows].long()
         return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), index)
 
 

@@ -162,3 +162,71 @@ def test_a_checkpoint_that_cannot_be_restored_changes_nothing(tmp_path, damage):
     before = _state(target)
     refused(RESUME, lambda: target.resume(tmp_path))
     assert _same(_state(target), before)
+
+
+# -- class 7: a checkpoint knows its data ----------------------------------------------------------------
+
+@pytest.mark.parametrize("change", ["seq_len", "batch_size", "seed", "text", "files"])
+def test_resuming_on_other_data_is_refused_by_name_and_allowed_on_request(tmp_path, change):
+    (tmp_path / "notes.txt").write_text("the user's own notes, typed on the phone. " * 40)
+    same = dict(batch_size=2, seq_len=16, vocab_size=256, seed=1)
+    first = _learner()
+    first.fit(make_stream("text", **same), max_steps=2, checkpoint_every=2, checkpoint_dir=tmp_path / "ckpt",
+              progress=False)
+    other = dict(same)
+    if change in ("seq_len", "batch_size", "seed"):
+        other[change] = same[change] + 1
+    elif change == "text":
+        other["text"] = "other text entirely. " * 60
+    else:
+        other["paths"] = [tmp_path / "notes.txt"]
+    resumed = _learner()
+    resumed.resume(tmp_path / "ckpt")
+    before = _state(resumed)
+    error = refused(RESUME, lambda: resumed.fit(make_stream("text", start_index=resumed.stream_position, **other),
+                                                max_steps=4, progress=False), match="other data")
+    assert ("content differs" in str(error)) == (change in ("text", "files"))
+    assert _same(_state(resumed), before)
+    attempt(RESUME, lambda: resumed.fit(make_stream("text", start_index=resumed.stream_position, **other),
+                                        max_steps=4, progress=False, allow_data_change=True),
+            sound=lambda history: resumed.steps_done == 4)
+
+
+def test_resuming_on_the_same_data_goes_on_and_checkpoints_carry_the_fingerprint(tmp_path):
+    stream = _stream()
+    first = _learner()
+    first.fit(stream, max_steps=2, checkpoint_every=2, checkpoint_dir=tmp_path, progress=False)
+    metadata = load_safetensors_checked(rotating_checkpoint_paths(tmp_path)[0])[1]
+    assert json.loads(metadata["state"])["data"] == stream.fingerprint()
+    resumed = _learner()
+    resumed.resume(tmp_path)
+    attempt(RESUME, lambda: resumed.fit(_stream(resumed.stream_position), max_steps=3, progress=False),
+            sound=lambda history: resumed.steps_done == 3)
+
+
+def test_the_text_stream_keeps_one_byte_per_byte_of_text():
+    text = "naïve café ✓ " * 1000
+    stream = make_stream("text", text=text, batch_size=2, seq_len=16)
+    assert stream.tokens.element_size() * stream.tokens.numel() == len(text.encode("utf-8"))
+    batch = next(iter(stream))
+    assert batch.inputs.dtype == torch.long and batch.inputs.tolist()[0] == list(text.encode("utf-8")[:16])
+
+
+def test_the_mlx_learner_refuses_resuming_on_other_data_too(tmp_path):
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install edgetrain[mlx])")
+    from edgetrain.backends.mlx.learner import MLXLearner
+    from edgetrain.backends.mlx.loading import load_mlx_model
+    from edgetrain.backends.mlx.lora import add_lora
+
+    def learner() -> MLXLearner:
+        model = load_mlx_model("tiny", seed=0)
+        add_lora(model, rank=2)
+        return MLXLearner(model, method="bp", optimizer="sgd", lr=1e-3)
+
+    first = learner()
+    first.fit(_stream(), max_steps=2, checkpoint_every=2, checkpoint_dir=tmp_path, progress=False)
+    resumed = learner()
+    resumed.resume(tmp_path)
+    other = make_stream("text", batch_size=2, seq_len=8, vocab_size=256, seed=1, start_index=resumed.stream_position)
+    refused(RESUME, lambda: resumed.fit(other, max_steps=3, progress=False), match="seq_len 16 -> 8")
+    assert resumed.steps_done == 2

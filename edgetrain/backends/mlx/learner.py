@@ -114,6 +114,10 @@ class MLXLearner(Learner):
             raise EdgetrainError("a memory budget needs a working memory probe to measure the first step")
         self.steps_done = 0
         self.stream_position = 0
+        # What the stream fed (IndexedStream.fingerprint), saved with each checkpoint; after a resume, the
+        # checkpoint's, until fit has checked that the stream it is given is the same data.
+        self.data_fingerprint: dict | None = None
+        self._resumed_data: tuple[dict, str] | None = None
         self._budget_checked = self.memory_budget is None
 
     @property
@@ -244,7 +248,8 @@ class MLXLearner(Learner):
         metadata = {"format": CHECKPOINT_FORMAT, "method": self.method_name,
                     "state": json.dumps({"steps_done": self.steps_done, "stream_position": self.stream_position,
                                          "method": self.method.state_dict(),
-                                         "lr_schedule": self.lr_schedule.to_dict(), "base_lrs": self.base_lrs})}
+                                         "lr_schedule": self.lr_schedule.to_dict(), "base_lrs": self.base_lrs,
+                                         "data": self.data_fingerprint})}
         return tensors, metadata
 
     def _restore(self, tensors: dict[str, Any], metadata: dict[str, str], source: str) -> None:
@@ -286,4 +291,7 @@ class MLXLearner(Learner):
                 raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
             raise
         self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]
+        data = state.get("data")
+        self.data_fingerprint = data if isinstance(data, dict) else None
+        self._resumed_data = (self.data_fingerprint, source) if self.data_fingerprint is not None else None
         mx.eval(self.model.trainable_parameters(), self.optimizer.optimizer.state)
