@@ -35,6 +35,7 @@ from edgetrain.data.fingerprint import check_same_data
 from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.losses import task_loss
 from edgetrain.finite_steps import FiniteOptimizerSteps
+from edgetrain.memory_estimate import first_slice_over_budget
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
 from edgetrain.probes.base import observing_context, settle_memory
@@ -287,29 +288,58 @@ class Learner:
         switch to the next allowed lower-memory method and measure again)."""
         tried = []
         while True:
-            snapshot = self._snapshot()
-            self._budget_checked = True
-            settle_memory()
-            self._step_probe = self._budget_probe
-            try:
-                stats = self.step(batch)
-            finally:
-                self._step_probe = self.probe
-            needed = self.weights_bytes + (stats.peak_bytes or 0)
-            if needed <= self.memory_budget:
-                return stats
-            self._restore_snapshot(snapshot)
-            self.steps_done -= 1
-            tried.append(f"{self.method_name}: {needed / 2**20:,.1f} MiB")
+            over = first_slice_over_budget(self._measure_undone_step, batch, self.weights_bytes,
+                                           self.memory_budget)
+            if over is not None:
+                tried.append(f"{self.method_name}: over {over.needed_bytes / 2**20:,.1f} MiB (measured on "
+                             f"{over.slice_tokens} of the batch's {over.batch_tokens} tokens)")
+            else:
+                snapshot = self._snapshot()
+                self._budget_checked = True
+                settle_memory()
+                self._step_probe = self._budget_probe
+                try:
+                    stats = self.step(batch)
+                finally:
+                    self._step_probe = self.probe
+                needed = self.weights_bytes + (stats.peak_bytes or 0)
+                if needed <= self.memory_budget:
+                    return stats
+                self._restore_snapshot(snapshot)
+                self.steps_done -= 1
+                tried.append(f"{self.method_name}: {needed / 2**20:,.1f} MiB")
             candidates = [m for m in self.fallback_methods if m not in [t.split(":")[0] for t in tried]]
             if not candidates:
-                raise MemoryBudgetError(self._budget_message(batch, stats, tried))
+                raise MemoryBudgetError(self._budget_message(batch, self._budget_probe.name, tried))
             self._use_method(candidates[0])
             print(f"edgetrain: {tried[-1]} is over the {self.memory_budget / 2**20:,.1f} MiB budget; "
                   f"falling back to {self.method_name}", file=sys.stderr)
             self._budget_checked = False
 
-    def _budget_message(self, batch: Batch, stats: StepStats, tried: list[str]) -> str:
+    def _measure_undone_step(self, batch: Batch) -> int | None:
+        """The peak of one step on `batch`, measured by the budget probe, then undone entirely: weights,
+        optimizer and method state, RNG, running statistics and counters are as before. None when the
+        step cannot run on this batch (the full step will then say why)."""
+        snapshot, side_state = self._snapshot(), self._side_state()
+        method_state = copy.deepcopy(self.method.state_dict())
+        counters = (self.steps_done, self.stream_position)
+        self._budget_checked = True
+        settle_memory()
+        self._step_probe = self._budget_probe
+        try:
+            return self.step(batch).peak_bytes
+        except EdgetrainError:
+            return None
+        finally:
+            self._step_probe = self.probe
+            self._budget_checked = False
+            self._restore_snapshot(snapshot)
+            self._restore_side_state(side_state)
+            self.method.load_state_dict(method_state)
+            self.steps_done, self.stream_position = counters
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _budget_message(self, batch: Batch, probe_name: str, tried: list[str]) -> str:
         suggestions = []
         lower = [m for m in FALLBACK_ORDER if m in METHODS and m not in [t.split(":")[0] for t in tried]]
         if lower:
@@ -322,7 +352,7 @@ class Learner:
         if config is not None:
             suggestions.append(f"a smaller LoRA rank (now {config.rank})")
         return (f"the first step needs {'; '.join(tried)} (weights {self.weights_bytes / 2**20:,.1f} MiB + "
-                f"training peak measured by the {stats.probe} probe), over the memory budget of "
+                f"training peak measured by the {probe_name} probe), over the memory budget of "
                 f"{self.memory_budget / 2**20:,.1f} MiB{self.memory_budget_origin}. Try " + ", or ".join(suggestions or ["a smaller model"]))
 
     def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:

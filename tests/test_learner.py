@@ -192,7 +192,8 @@ def test_memory_budget_refuses_with_figures_and_suggestions(tiny_lora, text_batc
     before = _weights(learner)
     from edgetrain.learner import MemoryBudgetError
 
-    with pytest.raises(MemoryBudgetError, match=r"bp: [\d.,]+ MiB .* over the memory budget of 1.0 MiB. "
+    with pytest.raises(MemoryBudgetError, match=r"bp: over [\d.,]+ MiB \(measured on \d+ of the batch's 512 tokens\).* "
+                                                r"over the memory budget of 1.0 MiB. "
                                                 r"Try a lower-memory method .*mebp.*LoRA rank \(now 4\)"):
         learner.step(text_batches(1, seq_len=256)[0])
     assert all(torch.equal(before[k], v) for k, v in _weights(learner).items())

@@ -396,6 +396,9 @@ def worker(job_file: Path, result_file: Path) -> int:
                                                 f"a/{path}", f"b/{path}", n=2)) if outcome == "survived" else ""
             results.write(json.dumps({**job, "outcome": outcome, "diff": diff}) + "\n")
             results.flush()
+            if outcome == "survived":  # as it happens, so that triage can start before the run ends
+                print(f"   survived: {Path(job['path']).relative_to(Path.cwd())}:{job['line']} {job['operator']}",
+                      flush=True)
             if time.monotonic() - last_report > 60:
                 last_report = time.monotonic()
                 print(f"   ... {done + 1}/{len(jobs)} after {last_report - started:.0f}s", flush=True)

@@ -93,6 +93,21 @@ def test_non_finite_gradient_keeps_the_last_good_weights():
     assert learner.steps_done == 1
 
 
+@pytest.mark.parametrize("method, optimizer", [("bp", "adam"), ("mezo", "sgd"), ("mesp", "adamw")])
+def test_the_budget_guards_measured_slices_leave_no_trace_when_the_step_fits(method, optimizer):
+    def run(memory_budget):
+        learner = MLXLearner(tiny_model(), method=method, optimizer=optimizer, lr=1e-2, memory_budget=memory_budget,
+                             lr_schedule="linear-warmup", schedule_options={"warmup_steps": 3})
+        losses = [learner.step(stream(seq=64).batch(index)).loss for index in range(3)]
+        return learner, losses
+
+    (guarded, guarded_losses), (plain, plain_losses) = run("64GiB"), run(None)
+    assert guarded_losses == plain_losses and guarded.steps_done == plain.steps_done == 3
+    for name, value in trainable_parameters(guarded.model).items():
+        np.testing.assert_array_equal(np.array(value), np.array(trainable_parameters(plain.model)[name]))
+    assert guarded.method.state_dict() == plain.method.state_dict()
+
+
 def test_memory_budget_falls_back_then_refuses():
     learner = MLXLearner(tiny_model(), method="bp", memory_budget=1, fallback_methods=["mesp"])
     with pytest.raises(MemoryBudgetError, match="bp: .*mesp: "):

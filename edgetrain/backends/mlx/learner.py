@@ -11,6 +11,7 @@ checksummed safetensors files.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -31,6 +32,7 @@ from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
 from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe,
                                resolve_memory_budget)
+from edgetrain.memory_estimate import first_slice_over_budget
 from edgetrain.methods.base import NonFiniteError, TrainingError
 from edgetrain.registry import EdgetrainError
 from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
@@ -184,19 +186,41 @@ class MLXLearner(Learner):
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
                          probe=self.probe.name if self.probe else "none", lr=lr)
 
+    def _measure_undone_step(self, batch: Batch) -> int | None:
+        """As Learner: the peak of one step on `batch`, then undone (weights, optimizer and method state,
+        counters); randomness is a function of (seed, step), so it needs no undoing."""
+        snapshot, method_state = self._snapshot(), copy.deepcopy(self.method.state_dict())
+        counters = (self.steps_done, self.stream_position)
+        self._budget_checked = True
+        try:
+            return self.step(batch).peak_bytes
+        except EdgetrainError:
+            return None
+        finally:
+            self._budget_checked = False
+            self._restore_snapshot(snapshot)
+            self.method.load_state_dict(method_state)
+            self.steps_done, self.stream_position = counters
+
     def _first_step_within_budget(self, batch: Batch) -> StepStats:
         """As Learner: measure the first step; over budget, undo it and fall back or refuse."""
         tried: list[str] = []
         while True:
-            snapshot = self._snapshot()
-            self._budget_checked = True
-            stats = self.step(batch)
-            needed = self.weights_bytes + (stats.peak_bytes or 0)
-            if needed <= self.memory_budget:
-                return stats
-            self._restore_snapshot(snapshot)
-            self.steps_done -= 1
-            tried.append(f"{self.method_name}: {needed / 2**20:,.1f} MiB")
+            over = first_slice_over_budget(self._measure_undone_step, batch, self.weights_bytes,
+                                           self.memory_budget)
+            if over is not None:
+                tried.append(f"{self.method_name}: over {over.needed_bytes / 2**20:,.1f} MiB (measured on "
+                             f"{over.slice_tokens} of the batch's {over.batch_tokens} tokens)")
+            else:
+                snapshot = self._snapshot()
+                self._budget_checked = True
+                stats = self.step(batch)
+                needed = self.weights_bytes + (stats.peak_bytes or 0)
+                if needed <= self.memory_budget:
+                    return stats
+                self._restore_snapshot(snapshot)
+                self.steps_done -= 1
+                tried.append(f"{self.method_name}: {needed / 2**20:,.1f} MiB")
             done = [t.split(":")[0] for t in tried]
             candidates = [m for m in self.fallback_methods if m not in done]
             if not candidates:
@@ -205,7 +229,7 @@ class MLXLearner(Learner):
                     else "a smaller model"
                 raise MemoryBudgetError(f"the first step needs {'; '.join(tried)} (weights "
                                         f"{self.weights_bytes / 2**20:,.1f} MiB + training peak measured by the "
-                                        f"{stats.probe} probe), over the memory budget of "
+                                        f"{self.probe.name} probe), over the memory budget of "
                                         f"{self.memory_budget / 2**20:,.1f} MiB{self.memory_budget_origin}. Try {hint}, a shorter "
                                         "sequence or a smaller LoRA rank")
             self.method_name, self.method_options = candidates[0], {}
