@@ -9,13 +9,15 @@ unhandled or silently wrong. Outcomes:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from edgetrain.registry import EdgetrainError
 
-# The fault classes of issue 20 (docs/reliability.md has one row each).
+# The fault classes of issue 20, and the process killed or a save failing part-way (docs/reliability.md has
+# one row each).
 CLASSES = ("checkpoint metadata", "non-finite numbers", "hostile model files", "adapters", "batches",
-           "resources and paths", "resume semantics")
+           "resources and paths", "resume semantics", "kills and crashes")
 FAILURES = ("unhandled", "silently wrong")
 COUNTS: Counter[tuple[str, str]] = Counter()
 
@@ -42,6 +44,23 @@ def record(fault_class: str, outcome: str) -> None:
     """Count an outcome observed elsewhere (in a child process, say)."""
     assert fault_class in CLASSES and outcome in ("refused", "accepted") + FAILURES, (fault_class, outcome)
     COUNTS[fault_class, outcome] += 1
+
+
+@contextmanager
+def checked(fault_class: str) -> Iterator[None]:
+    """A case whose checks run inside the block (a kill, then the state compared with the run that was not
+    killed): accepted when they hold, silently wrong when an assertion fails, unhandled on any other
+    exception."""
+    assert fault_class in CLASSES, fault_class
+    try:
+        yield
+    except AssertionError:
+        COUNTS[fault_class, "silently wrong"] += 1
+        raise
+    except Exception:
+        COUNTS[fault_class, "unhandled"] += 1
+        raise
+    COUNTS[fault_class, "accepted"] += 1
 
 
 def refused(fault_class: str, action: Callable[[], Any], match: str | None = None) -> EdgetrainError:

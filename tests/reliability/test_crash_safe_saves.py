@@ -43,6 +43,7 @@ from edgetrain.checkpoint import (CorruptCheckpointError, LEGACY_CHECKSUM_KEY, a
                                   load_safetensors_checked, readable_directory, tensors_sha256)
 from edgetrain.data.batch import Batch
 from edgetrain.learner import Learner
+from fault_tally import checked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -538,9 +539,10 @@ def test_a_save_that_fails_part_way_keeps_the_previous_one(name, fault, first_sa
         else:
             pytest.fail(f"{writer.name}: the save never reached the {fault} fault point: it no longer writes "
                         "through Python's open() and os.replace, so its atomicity is not checked here")
-    _assert_old_intact(writer, out, old)
-    # A failure the writer sees is cleaned up at once.
-    assert _leftovers(writer.target(out)) == []
+    with checked("kills and crashes"):
+        _assert_old_intact(writer, out, old)
+        # A failure the writer sees is cleaned up at once.
+        assert _leftovers(writer.target(out)) == []
 
 
 @pytest.mark.parametrize("name, fault", FAULTS)
@@ -548,7 +550,8 @@ def test_a_save_killed_mid_write_keeps_the_previous_one(name, fault, first_save,
     writer = WRITERS[name]
     out, old = _over_a_good_save(writer, first_save, tmp_path)
     _kill_mid_save(writer, out, fault)
-    _assert_old_intact(writer, out, old)
+    with checked("kills and crashes"):
+        _assert_old_intact(writer, out, old)
     # The killed writer's temp files stay until the next save of the same path, which removes them.
     writer.write(out, 1)
     writer.load(out)

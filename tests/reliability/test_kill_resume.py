@@ -18,6 +18,7 @@ import torch
 
 from edgetrain.checkpoint import load_latest_good
 from edgetrain.methods import METHODS
+from fault_tally import checked
 
 STEPS = 10
 
@@ -77,11 +78,12 @@ def test_killed_and_resumed_equals_uninterrupted(method, tmp_path):
     result = subprocess.run(_command(method, straight), capture_output=True, text=True, env=_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     killed = tmp_path / "killed"
-    kills = _run_with_kills(method, killed, kills=2, rng=random.Random(method))
-    assert kills >= 1
-    expected, got = _final_params(straight), _final_params(killed)
-    assert expected.keys() == got.keys() and any(k.startswith("param/") for k in expected)
-    for name in expected:
-        assert torch.equal(expected[name], got[name]), f"{method}: {name} differs after {kills} kills"
+    with checked("kills and crashes"):
+        kills = _run_with_kills(method, killed, kills=2, rng=random.Random(method))
+        assert kills >= 1
+        expected, got = _final_params(straight), _final_params(killed)
+        assert expected.keys() == got.keys() and any(k.startswith("param/") for k in expected)
+        for name in expected:
+            assert torch.equal(expected[name], got[name]), f"{method}: {name} differs after {kills} kills"
     print(f"\n{method}: killed {kills}x with SIGKILL, resumed; {len(expected)} tensors bit-identical "
           f"to the uninterrupted run after {STEPS} steps")
