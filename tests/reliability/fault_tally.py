@@ -8,6 +8,7 @@ unhandled or silently wrong. Outcomes:
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -19,7 +20,19 @@ from edgetrain.registry import EdgetrainError
 CLASSES = ("checkpoint metadata", "non-finite numbers", "hostile model files", "adapters", "batches",
            "resources and paths", "resume semantics", "kills and crashes")
 FAILURES = ("unhandled", "silently wrong")
+# The long fuzz run (test_long_fuzz.py, marked slow) sets this to draw several times more examples.
+FUZZ_SCALE_VARIABLE = "EDGETRAIN_FUZZ_SCALE"
 COUNTS: Counter[tuple[str, str]] = Counter()
+
+
+def fuzz_settings(max_examples: int) -> Any:
+    """hypothesis settings for a fuzz test: `max_examples` in the default run, times $EDGETRAIN_FUZZ_SCALE in
+    the long one; no deadline (a first example pays for imports and model builds)."""
+    from hypothesis import HealthCheck, settings
+
+    scale = int(os.environ.get(FUZZ_SCALE_VARIABLE, "1"))
+    return settings(max_examples=max_examples * scale, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def attempt(fault_class: str, action: Callable[[], Any], sound: Callable[[Any], bool] | None = None) -> Any:

@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import edgetrain
 from edgetrain.checkpoint import atomic_save_safetensors, load_safetensors_checked
 from edgetrain.models.llama import LlamaModel
-from fault_tally import attempt, refused
+from fault_tally import attempt, fuzz_settings, refused
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = fuzz_settings(60)
 
 
 def test_pristine_checkpoint_loads(checkpoint_dir):

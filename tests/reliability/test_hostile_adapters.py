@@ -10,16 +10,16 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import edgetrain
 from edgetrain.checkpoint import atomic_save_safetensors
 from edgetrain.models.lora import LoraConfig, lora_layers, lora_state_dict
-from fault_tally import attempt, refused
+from fault_tally import attempt, fuzz_settings, refused
 
 FAULT = "adapters"
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = fuzz_settings(60)
 
 
 def _decoder(seed: int = 0):

@@ -9,14 +9,14 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import edgetrain
 from edgetrain.data.batch import Batch
-from fault_tally import attempt
+from fault_tally import attempt, fuzz_settings
 
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = fuzz_settings(40)
 VOCAB = 256
 
 HOSTILE_NUMBERS = st.one_of(
@@ -40,9 +40,10 @@ def _batch(seed: int = 0, index: int = 0) -> Batch:
     return Batch(tokens[:, :-1].clone(), tokens[:, 1:].clone(), index)
 
 
-def _positive_finite_number(value) -> bool:
+def _usable_rate(value) -> bool:
+    """The learner's contract: a finite number in [0, 1e6]; 0 is a frozen run, a legitimate diagnostic."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
+            and 0 <= value <= 1e6)
 
 
 @FUZZ
@@ -63,11 +64,14 @@ def test_hostile_learning_rates_and_options_are_refused_or_train_to_finite_weigh
             # A refused step (e.g. an update too large for the weights) changes nothing.
             assert all(torch.equal(p, before[n]) for n, p in learner.params.items())
             raise
-        return learner
+        return learner, before
 
-    def sound(learner) -> bool:
-        # Accepted only with a usable rate, and the step left finite weights.
-        return _positive_finite_number(lr) and all(bool(torch.isfinite(p).all()) for p in learner.params.values())
+    def sound(result) -> bool:
+        # Accepted only with a usable rate, and the step left finite weights; a rate of 0 leaves them alone.
+        learner, before = result
+        frozen = lr != 0 or all(torch.equal(p, before[n]) for n, p in learner.params.items())
+        return (_usable_rate(lr) and frozen
+                and all(bool(torch.isfinite(p).all()) for p in learner.params.values()))
 
     attempt("non-finite numbers", build_and_step, sound=sound)
 
@@ -126,7 +130,7 @@ def _valid_lm_batch(batch: Batch) -> bool:
 
 
 @pytest.mark.parametrize("method", ["mebp", "mesp", "mezo"])
-@settings(FUZZ, max_examples=25)
+@fuzz_settings(25)
 @given(batch=hostile_batches())
 def test_hostile_batches_are_refused_before_any_weight_changes(method, batch):
     learner = edgetrain.Learner(_model(), method=method, optimizer="adamw", lr=1e-3, probe=False)
@@ -142,3 +146,12 @@ def test_hostile_batches_are_refused_before_any_weight_changes(method, batch):
         assert all(torch.equal(p, before[n]) for n, p in learner.params.items())
         assert all(torch.equal(s["exp_avg"], m) for s, m in zip(learner.optimizer.state.values(), moments))
         assert learner.steps_done == 1
+
+
+@pytest.mark.parametrize("method", ["bp", "mebp", "mesp", "mezo", "fgd"])
+def test_a_rate_of_zero_is_accepted_and_leaves_every_methods_weights_alone(method):
+    learner = edgetrain.Learner(_model(), method=method, optimizer="sgd", lr=0.0, probe=False)
+    before = _weights(learner)
+    learner.step(_batch())
+    assert learner.steps_done == 1
+    assert all(torch.equal(p, before[n]) for n, p in learner.params.items())
