@@ -27,7 +27,7 @@ COUNTS: Counter[tuple[str, str]] = Counter()
 
 def fuzz_settings(max_examples: int) -> Any:
     """hypothesis settings for a fuzz test: `max_examples` in the default run, times $EDGETRAIN_FUZZ_SCALE in
-    the long one; no deadline (a first example pays for imports and model builds)."""
+    the long one (test_long_fuzz.py: 3); no deadline (a first example pays for imports and model builds)."""
     from hypothesis import HealthCheck, settings
 
     scale = int(os.environ.get(FUZZ_SCALE_VARIABLE, "1"))
