@@ -25,7 +25,7 @@ from torch import nn
 
 from edgetrain import backends as _backends  # noqa: F401  (registers backends)
 from edgetrain import methods as _methods  # noqa: F401  (registers methods)
-from edgetrain.backends import get_backend
+from edgetrain.backends import Backend, get_backend
 from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensors, check_counters,
                                   ensure_writable_directory, flatten_optimizer_state, load_latest_good,
                                   load_safetensors_checked, metadata_json, rotating_checkpoint_paths,
@@ -36,6 +36,7 @@ from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.losses import task_loss
 from edgetrain.finite_steps import FiniteOptimizerSteps
 from edgetrain.memory_estimate import first_slice_over_budget
+from edgetrain.memory_sizes import parse_bytes
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
 from edgetrain.probes.base import observing_context, settle_memory
@@ -67,28 +68,6 @@ def resolve_memory_budget(memory_budget: int | str | None, target: str | None) -
 
 # Lower-memory methods to fall back to, best first (exact gradients before estimates).
 FALLBACK_ORDER = ("mebp", "mesp", "mezo")
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-# An exabyte: no device holds more; a larger size is a typo or a hostile value, not a budget.
-_MAX_BYTES = 2 ** 60
-
-
-def parse_bytes(value: int | str) -> int:
-    """512 * 2**20, "512MiB", "1.5 GB" -> bytes (positive, finite, at most 2**60)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        amount = value
-    else:
-        text = str(value).strip().lower().replace(" ", "")
-        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(number):] or "b"
-        try:
-            amount = float(number) * _UNITS[unit]
-        except (KeyError, ValueError):
-            raise EdgetrainError(f"cannot read memory size {value!r}; use bytes or e.g. '512MiB', '2GB'") from None
-    if not 0 < amount <= _MAX_BYTES:  # also false for NaN
-        raise EdgetrainError(f"memory size {value!r} must be a positive number of bytes up to 2**60")
-    return int(amount)
 
 
 @dataclass
@@ -131,15 +110,14 @@ def _resolve_probe(probe: Any, backend: str):
 
 class Learner:
     def __new__(cls, *args: Any, **kwargs: Any) -> "Learner":
-        # Learner(model, backend="mlx", ...) is an MLXLearner (same interface, MLX models).
+        # Learner(model, backend="mlx", ...) is the learner its backend names (MLXLearner: same interface,
+        # MLX models).
         if cls is Learner:
             backend = kwargs.get("backend", args[2] if len(args) > 2 else "torch-cpu")
-            if isinstance(backend, str) and backend in _backends.BACKENDS \
-                    and _backends.BACKENDS.get(backend).framework == "mlx":
-                get_backend(backend)  # says why not (mlx missing) before importing it
-                from edgetrain.backends.mlx.learner import MLXLearner
-
-                cls = MLXLearner
+            if isinstance(backend, str) and backend in _backends.BACKENDS:
+                entry = _backends.BACKENDS.get(backend)
+                if entry.learner != Backend.learner:
+                    cls = entry.require().learner_class()  # says why not (mlx missing) before importing it
         return super().__new__(cls)
 
     def __init__(self, model: nn.Module, method: str = "bp", backend: str = "torch-cpu",

@@ -148,7 +148,7 @@ def segprop_parity(steps: int, timeout: float) -> Parity:
     from safetensors.torch import load_file
 
     from edgetrain.data import make_stream
-    from edgetrain.methods.segprop import run_schedule
+    from edgetrain.recipes import run_schedule
     from edgetrain.models.resnet import ResNetConfig, build_resnet
 
     cfg, started = SEGPROP, time.perf_counter()

@@ -53,7 +53,7 @@ def worker(spec: dict) -> int:
 
 
 def child_environment(openblas: Path | None) -> dict[str, str]:
-    from edgetrain.probes.linux import malloc_threshold_env
+    from edgetrain.probes.glibc import malloc_threshold_env
 
     env = dict(os.environ)
     env.update(malloc_threshold_env())

@@ -37,7 +37,7 @@ from torch import nn  # noqa: E402
 
 import edgetrain  # noqa: E402
 from edgetrain.data.batch import Batch  # noqa: E402
-from edgetrain.methods.segprop import run_schedule  # noqa: E402
+from edgetrain.recipes import run_schedule  # noqa: E402
 from edgetrain.methods.segprop.flops import schedule_flops  # noqa: E402
 from edgetrain.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from edgetrain.models.resnet import ResNetConfig, build_resnet, resnet18_imagenet_config  # noqa: E402

@@ -1,6 +1,6 @@
 """SegProp / layer-wise training under torchrun with DistributedDataParallel (the server side).
 
-Every rank holds the whole model and runs the same schedule (edgetrain.methods.segprop.driver); only
+Every rank holds the whole model and runs the same schedule (edgetrain.recipes.segprop_schedule); only
 the stage's active path -- active segment, its adapter, the global-head units and the head -- is
 wrapped in DistributedDataParallel, so gradients are all-reduced for those parameters and nothing
 else (committed segments run forward-only and are identical on every rank). Each global batch of the
@@ -84,7 +84,7 @@ def run_distributed(model: nn.Module, stream: Any, method: str = "segprop", *, b
                     checkpoint_dir: str | Path | None = None, **options: Any):
     """run_schedule on this rank: the model is moved to this rank's device, each batch sharded, the
     active path wrapped; checkpoints are written by rank 0 and read by every rank."""
-    from edgetrain.methods.segprop.driver import run_schedule
+    from edgetrain.recipes.segprop_schedule import run_schedule
 
     rank, world, device = init_distributed(backend)
     model = model.to(device)

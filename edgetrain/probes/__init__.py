@@ -12,7 +12,8 @@ from edgetrain.probes.base import (PROBES, Measurement, MemoryProbe, ProbeUnavai
 from edgetrain.probes.cuda import CudaProbe
 from edgetrain.probes.darwin import DarwinProbe, decode_rusage_info_v4
 from edgetrain.probes.jetson import JetsonProbe, parse_meminfo
-from edgetrain.probes.linux import LinuxProbe, fix_malloc_mmap_threshold, malloc_threshold_env
+from edgetrain.probes.glibc import fix_malloc_mmap_threshold, malloc_threshold_env
+from edgetrain.probes.linux import LinuxProbe
 from edgetrain.probes.mlx_probe import MlxProbe
 from edgetrain.probes.tensors import TensorAccountant, TensorMemoryReport
 

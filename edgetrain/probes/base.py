@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
+from edgetrain.probes.glibc import release_free_heap
 from edgetrain.registry import EdgetrainError, Registry
 
 
@@ -96,8 +97,6 @@ def settle_memory() -> None:
     """Before a measured window: collect garbage (otherwise a collection that happens to run inside
     the window frees earlier objects and hides the region's own peak) and give free heap back to the
     kernel (otherwise the region reuses resident free chunks and RSS does not see it)."""
-    from edgetrain.probes.linux import release_free_heap
-
     gc.collect()
     release_free_heap()
 

@@ -25,7 +25,7 @@ class ProfileError(EdgetrainError, RuntimeError):
 
 
 def _child_environment() -> dict[str, str]:
-    from edgetrain.probes.linux import malloc_threshold_env
+    from edgetrain.probes.glibc import malloc_threshold_env
 
     env = dict(os.environ)
     env.update(malloc_threshold_env())

@@ -13,6 +13,8 @@ import sys
 import traceback
 from typing import Any
 
+from edgetrain.profiler.batches import build_batch
+
 RESULT_MARKER = "EDGETRAIN_RESULT "
 
 
@@ -40,29 +42,6 @@ def build_model(config):
                 if name.endswith("lora_B"):
                     param.copy_(torch.randn(param.shape, generator=generator).to(param.dtype) * 0.01)
     return model
-
-
-def build_batch(model, config):
-    """A fixed batch of the shape asked for: real English text for language models, random inputs
-    of the model's own input shape (and random labels) for classifiers."""
-    import torch
-
-    from edgetrain.data.batch import Batch
-
-    if getattr(model, "task", None) == "lm":
-        from pydoc_data.topics import topics
-
-        text = "".join(topics[k] for k in sorted(topics)).encode("utf-8")
-        needed = config.batch * (config.seq + 1)
-        ids = torch.tensor(list((text * (needed // len(text) + 1))[:needed]), dtype=torch.long)
-        ids = ids.remainder(model.config.vocab_size).view(config.batch, config.seq + 1)
-        return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), 0)
-    from edgetrain.models.zoo import example_input
-
-    generator = torch.Generator().manual_seed(config.seed)
-    inputs = example_input(model, config.batch, config.seq, generator=generator)
-    labels = torch.randint(0, model.config.num_classes, (config.batch,), generator=generator)
-    return Batch(inputs, labels, 0)
 
 
 def gradient_fidelity(model, method: str, batch, options: dict[str, Any]) -> dict[str, float]:
@@ -145,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         config = ProfileConfig(**json.loads(argv[0]))
-        from edgetrain.probes.linux import fix_malloc_mmap_threshold
+        from edgetrain.probes.glibc import fix_malloc_mmap_threshold
 
         fix_malloc_mmap_threshold()
         record = profile_method(config)

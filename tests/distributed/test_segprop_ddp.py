@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from edgetrain.data import make_stream
 from edgetrain.distributed.launch import run_torchrun
-from edgetrain.methods.segprop import run_schedule
+from edgetrain.recipes import run_schedule
 from edgetrain.models.resnet import ResNetConfig, build_resnet
 from edgetrain.registry import EdgetrainError
 

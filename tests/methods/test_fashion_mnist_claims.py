@@ -36,7 +36,7 @@ from torch import nn
 import edgetrain
 from edgetrain.data import FASHION_MNIST_DIR, ArrayStream, load_fashion_mnist
 from edgetrain.data.batch import Batch
-from edgetrain.methods.segprop import run_schedule
+from edgetrain.recipes import run_schedule
 from edgetrain.models.mlp import MLPConfig, build_mlp
 
 pytestmark = pytest.mark.skipif(not FASHION_MNIST_DIR.is_dir(),

@@ -12,13 +12,14 @@ import edgetrain
 from edgetrain.data import digits_stream
 from edgetrain.data.batch import Batch
 from edgetrain.methods.segprop import (ConvAdapter, LinearAdapter, SnapCheck, even_split, is_pinned,
-                                       make_adapter, plan_lw, plan_segprop, run_schedule, unit_view)
+                                       make_adapter, plan_lw, plan_segprop, unit_view)
 from edgetrain.methods.segprop.flops import schedule_flops
 from edgetrain.methods.segprop.plan import balanced_split
 from edgetrain.methods.segprop.trainer import cosine_multiplier
 from edgetrain.models.resnet import ResNetConfig, build_resnet
 from edgetrain.models.vit import ViTConfig, build_vit
 from edgetrain.models.zoo import run_blocks
+from edgetrain.recipes import run_schedule
 from edgetrain.registry import EdgetrainError
 
 

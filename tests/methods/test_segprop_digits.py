@@ -25,7 +25,7 @@ from torch import nn
 
 from edgetrain.data import digits_stream, load_digits_split
 from edgetrain.data.batch import Batch
-from edgetrain.methods.segprop import run_schedule
+from edgetrain.recipes import run_schedule
 from edgetrain.models.resnet import ResNetConfig, build_resnet
 
 RECIPE = ("ResNet 8/16/32 + MLP head, resnet-paper view, GH = last conv + BN + MLP, 3 segments, "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edgetrain.probes import LinuxProbe, ProbeUnavailableError, fix_malloc_mmap_threshold, malloc_threshold_env, measure
-from edgetrain.probes.linux import glibc_version
+from edgetrain.probes.glibc import glibc_version
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1024 * 1024

@@ -96,7 +96,7 @@ def _os_probe():
 def profile_method_mlx(config: Any, quantize_bits: int | None = None) -> dict[str, Any]:
     """Profile config.method on config.model with the MLX backend (config: a ProfileConfig; its
     `quantize_bits`, when it has one, wins over the argument: 4 = the paper's 4-bit base)."""
-    from edgetrain.profiler.worker import build_batch
+    from edgetrain.profiler.batches import build_batch
 
     if getattr(config, "quantize_bits", None) is not None:
         quantize_bits = config.quantize_bits

@@ -41,4 +41,4 @@ def synchronize() -> None:
 
 if "mlx" not in BACKENDS:
     BACKENDS.add("mlx", Backend(name="mlx", framework="mlx", device=expected_device(), synchronize=synchronize,
-                                availability=mlx_availability))
+                                availability=mlx_availability, learner="edgetrain.backends.mlx.learner:MLXLearner"))

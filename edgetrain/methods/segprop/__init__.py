@@ -1,21 +1,20 @@
 """SegProp (Segmented Propagation, Gelbard et al., TMLR) with SnapCheck, and the layer-wise baseline.
+The whole schedule over a stream (`run_schedule`) is a recipe: edgetrain.recipes.segprop_schedule.
 
   plan.py       prefix depth p, global-head size r, segmentation of the body into stages
   views.py      the units a schedule cuts (block view; ResNet's paper split of the last block)
   adapters.py   training-only adapters (1x1 strided conv + BN + ReLU, linear, identity)
   snapcheck.py  cache of detached frozen-prefix outputs with a byte budget and memory-mapped spill
   trainer.py    the stage-by-stage trainer (a TrainingMethod; methods `segprop` and `lw`)
-  driver.py     run_schedule: the whole schedule over a data stream, evaluation per stage, resume
   flops.py      FLOPs per sample of e2e vs each stage (the paper's Table 5 method)
 """
 from edgetrain.methods.segprop import method  # noqa: F401  (registers segprop and lw)
 from edgetrain.methods.segprop.adapters import ConvAdapter, LinearAdapter, make_adapter
-from edgetrain.methods.segprop.driver import ScheduleResult, StageReport, run_schedule
 from edgetrain.methods.segprop.plan import Stage, StagePlan, even_split, plan_lw, plan_segprop
 from edgetrain.methods.segprop.snapcheck import SnapCheck
 from edgetrain.methods.segprop.trainer import StagedTrainer, is_pinned, pin_eval, unpin_eval
 from edgetrain.methods.segprop.views import UnitView, unit_view
 
-__all__ = ["ConvAdapter", "LinearAdapter", "ScheduleResult", "SnapCheck", "Stage", "StagePlan", "StageReport",
+__all__ = ["ConvAdapter", "LinearAdapter", "SnapCheck", "Stage", "StagePlan",
            "StagedTrainer", "UnitView", "even_split", "is_pinned", "make_adapter", "pin_eval", "plan_lw",
-           "plan_segprop", "run_schedule", "unit_view", "unpin_eval"]
+           "plan_segprop", "unit_view", "unpin_eval"]

@@ -10,7 +10,7 @@ in the checkpoint, so a resumed run continues exactly:
     learner.fit(stream, max_steps=learner.method.total_budget)
     model = learner.method.finish()      # adapters discarded; plain forward
 
-`run_schedule` (driver.py) does the same over a stream with epochs per stage, evaluation per stage
+`run_schedule` (edgetrain/recipes/segprop_schedule.py) does the same over a stream with epochs per stage, evaluation per stage
 and checkpoint/resume.
 """
 from __future__ import annotations

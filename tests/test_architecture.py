@@ -1,0 +1,118 @@
+"""The package's shape: no import cycle inside edgetrain/, counting imports made inside functions too (a
+lazy import only hides a cycle until the redesign moves the code around it)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "edgetrain"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _nearest_module(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the edgetrain modules it imports anywhere in its code (not under `if TYPE_CHECKING`).
+    `from a.b import c` counts as an import of a.b.c when that is a module, else of a.b. Importing a
+    module also runs its parent packages' __init__; those edges are left out, or every module would be
+    in one cycle with edgetrain/__init__.py."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        pending = [ast.parse(path.read_text(), str(path))]
+        while pending:
+            for node in ast.iter_child_nodes(pending.pop()):
+                if _is_type_checking_block(node):
+                    continue
+                targets: list[str] = []
+                if isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                        base = ".".join(parts + ([base] if base else []))
+                    targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                               for alias in node.names]
+                for target in targets:
+                    resolved = _nearest_module(target, modules) if target.startswith("edgetrain") else None
+                    if resolved and resolved != name:
+                        graph[name].add(resolved)
+                pending.append(node)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycle_inside_edgetrain_even_through_imports_inside_functions():
+    graph = import_graph()
+    assert "edgetrain.learner" in graph and "edgetrain.methods.base" in graph["edgetrain.learner"]
+    cycles = import_cycles(graph)
+    assert cycles == [], "import cycles (each line: modules that import each other, directly or not):\n" + \
+        "\n".join(", ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_modules_and_ignores_a_chain():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
