@@ -1,12 +1,49 @@
-"""edgetrain: train and fine-tune neural networks on the device (MLX, CUDA/Jetson, CPU)."""
+"""edgetrain: train and fine-tune neural networks on the device (MLX, CUDA/Jetson, CPU).
+
+The public names below are imported on first use (PEP 562), so that `import edgetrain.cli` and
+`edgetrain --help` or `--version` answer without importing torch.
+"""
 from __future__ import annotations
 
-from edgetrain.models import MODEL_PRESETS, load_model
-from edgetrain.models.lora import LoraConfig, add_lora, load_lora, merge_lora, save_lora, unmerge_lora
-from edgetrain.learner import Learner, StepStats
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from edgetrain.registry import EdgetrainError
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY = {
+    "MODEL_PRESETS": "edgetrain.models", "load_model": "edgetrain.models",
+    "LoraConfig": "edgetrain.models.lora", "add_lora": "edgetrain.models.lora", "load_lora": "edgetrain.models.lora",
+    "merge_lora": "edgetrain.models.lora", "save_lora": "edgetrain.models.lora",
+    "unmerge_lora": "edgetrain.models.lora",
+    "Learner": "edgetrain.learner", "StepStats": "edgetrain.learner",
+}
+
+if TYPE_CHECKING:
+    from edgetrain.learner import Learner, StepStats
+    from edgetrain.models import MODEL_PRESETS, load_model
+    from edgetrain.models.lora import LoraConfig, add_lora, load_lora, merge_lora, save_lora, unmerge_lora
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    # `import edgetrain` then `edgetrain.data.digits_stream(...)`: subpackages load on first use too.
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module 'edgetrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = ["EdgetrainError", "Learner", "StepStats", "LoraConfig", "MODEL_PRESETS", "add_lora", "load_lora", "load_model",
            "merge_lora", "save_lora", "unmerge_lora", "__version__"]

@@ -44,3 +44,50 @@ def test_an_installed_wheel_finds_every_device_target(tmp_path):
     here = run([sys.executable, "-c", "import edgetrain; print(edgetrain.__file__)"], cwd=tmp_path)
     assert Path(here.stdout.strip()).resolve() == (REPO / "edgetrain" / "__init__.py").resolve() or \
         not Path(here.stdout.strip()).is_relative_to(prefix)
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_with_only_its_declared_dependencies_and_trains(tmp_path):
+    """A fresh venv, the wheel and what it declares (no extras; torch pinned by tools/constraints.txt, the
+    rest from the package index): --version, `list methods` and one training step of a tiny model."""
+    pytest.importorskip("setuptools", reason="building the wheel needs setuptools in this environment")
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel"),
+         str(REPO)])
+    wheel = next((tmp_path / "wheel").glob("edgetrain-*.whl"))
+    prefix = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", str(prefix)])
+    find_links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
+    install = subprocess.run([str(prefix / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                              "-c", str(REPO / "tools" / "constraints.txt"), *find_links, str(wheel)],
+                             capture_output=True, text=True, timeout=900)
+    if install.returncode != 0 and any(sign in install.stderr for sign in (
+            "Could not find a version", "No matching distribution", "NewConnectionError", "Temporary failure")):
+        pytest.skip("installing the wheel's dependencies needs the package index (offline here): "
+                    + install.stderr.strip().splitlines()[-1])
+    assert install.returncode == 0, install.stderr[-3000:]
+    edgetrain_cli = str(prefix / "bin" / "edgetrain")
+    env = {"PATH": f"{prefix / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    version = run([edgetrain_cli, "--version"], cwd=tmp_path, env=env).stdout.strip()
+    from edgetrain import __version__
+
+    assert version == f"edgetrain {__version__}"
+    methods = run([edgetrain_cli, "list", "methods"], cwd=tmp_path, env=env).stdout
+    assert {"bp", "mesp", "mezo", "fgd"} <= {line.split()[0] for line in methods.splitlines()}
+    # No dev extra: neither the test tools nor the optional dependencies came along.
+    missing = run([str(prefix / "bin" / "python"), "-c", "import importlib.util as u; "
+                   "print([m for m in ('pytest', 'sklearn', 'matplotlib', 'mlx') if u.find_spec(m)])"],
+                  cwd=tmp_path, env=env).stdout.strip()
+    assert missing == "[]"
+    # A checkpoint's own tokenizer.json loads (tokenizers is a declared dependency).
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "device": 2}, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.save(str(tmp_path / "tokenizer.json"))
+    ids = run([str(prefix / "bin" / "python"), "-c", "from edgetrain.data.tokenizer import load_tokenizer; "
+               f"print(load_tokenizer({str(tmp_path / 'tokenizer.json')!r}).encode('hello device'))"],
+              cwd=tmp_path, env=env).stdout.strip()
+    assert ids == "[1, 2]"
+    trained = run([edgetrain_cli, "train", "--model", "tiny", "--method", "mesp", "--steps", "1", "--seq", "16",
+                   "--batch", "2", "--rank", "2"], cwd=tmp_path, env=env)
+    assert "step 1" in trained.stdout or "step 1" in trained.stderr, trained.stdout[-2000:] + trained.stderr[-2000:]

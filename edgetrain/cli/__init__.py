@@ -6,12 +6,15 @@ import importlib
 import sys
 
 # subcommand -> module under edgetrain.cli (imported only when used: keeps --help fast)
-SUBCOMMANDS = {"profile": "profile", "train": "train", "export": "export"}
+SUBCOMMANDS = {"profile": "profile", "train": "train", "export": "export", "list": "list"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from edgetrain import __version__
+
     parser = argparse.ArgumentParser(prog="edgetrain", description="On-device training and profiling.")
+    parser.add_argument("--version", action="version", version=f"edgetrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(f"edgetrain.cli.{module_name}")

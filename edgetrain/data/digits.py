@@ -15,7 +15,7 @@ def _load_sklearn_digits() -> tuple[torch.Tensor, torch.Tensor]:
     try:
         from sklearn.datasets import load_digits  # imported here: scikit-learn is an optional dependency
     except ImportError:
-        raise EdgetrainError("the digits stream needs scikit-learn: pip install scikit-learn") from None
+        raise EdgetrainError("the digits stream needs scikit-learn: pip install 'edgetrain[datasets]'") from None
     digits = load_digits()
     # Pixel values are 0..16 in this data set.
     features = torch.tensor(digits.data, dtype=torch.float32) / 16.0

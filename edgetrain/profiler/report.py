@@ -78,7 +78,7 @@ def write_plot(records: list[dict[str, Any]], path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise EdgetrainError("--plot needs matplotlib: pip install 'edgetrain[dev]' or pip install matplotlib") from None
+        raise EdgetrainError("--plot needs matplotlib: pip install 'edgetrain[plot]'") from None
     methods = [r["method"] for r in records]
     figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(10, 4))
     positions = range(len(methods))

@@ -129,7 +129,7 @@ def test_bad_settings_are_refused():
 
 def test_missing_scikit_learn_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import raise ImportError
-    with pytest.raises(EdgetrainError, match="needs scikit-learn: pip install scikit-learn"):
+    with pytest.raises(EdgetrainError, match=r"needs scikit-learn: pip install .edgetrain\[datasets\]."):
         load_digits_split("train")
 
 

@@ -1,0 +1,83 @@
+"""List what this install offers: training methods, model presets, device targets, memory probes, formats.
+
+    edgetrain list methods     # each method and the frameworks that run it
+    edgetrain list models      # model presets (a checkpoint directory works too)
+    edgetrain list targets     # device profiles for --target, with their memory budget
+    edgetrain list probes      # memory probes, and whether each works on this machine (and why not)
+    edgetrain list formats     # export runtimes and adapter formats
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Callable
+
+
+def _methods() -> list[tuple[str, str]]:
+    from edgetrain.methods import METHODS
+
+    frameworks: dict[str, list[str]] = {name: ["torch"] for name in METHODS.names()}
+    if importlib.util.find_spec("mlx") is not None:
+        from edgetrain.backends.mlx.methods import MLX_METHODS
+
+        for name in MLX_METHODS.names():
+            frameworks.setdefault(name, []).append("mlx")
+    return [(name, ", ".join(kinds)) for name, kinds in sorted(frameworks.items())]
+
+
+def _models() -> list[tuple[str, str]]:
+    from edgetrain.models import MODEL_PRESETS
+
+    rows = []
+    for name in MODEL_PRESETS.names():
+        doc = (getattr(MODEL_PRESETS.get(name), "__doc__", None) or "").strip().splitlines()
+        rows.append((name, doc[0] if doc else ""))
+    return rows
+
+
+def _targets() -> list[tuple[str, str]]:
+    from edgetrain.targets import available_targets, load_target
+
+    rows = []
+    for name in available_targets():
+        target = load_target(name)
+        rows.append((name, f"{target.backend}, {target.memory_budget_mib:,} MiB: {target.description}"))
+    return rows
+
+
+def _probes() -> list[tuple[str, str]]:
+    from edgetrain.probes import PROBES
+
+    rows = []
+    for name in PROBES.names():
+        ok, reason = PROBES.get(name)().available()
+        rows.append((name, "available" if ok else f"unavailable: {reason}"))
+    return rows
+
+
+def _formats() -> list[tuple[str, str]]:
+    from edgetrain.export import RUNTIMES
+
+    rows = [(f"export: {runtime}", "installed" if importlib.util.find_spec(module) else
+             "needs the export extra (pip install 'edgetrain[export]')")
+            for runtime, module in zip(RUNTIMES, ("executorch", "onnxruntime"))]
+    rows.append(("adapter: edgetrain", "LoRA adapter as .safetensors with its config (torch)"))
+    rows.append(("adapter: mlx-lm", "mlx-lm adapter directory (adapters.safetensors + adapter_config.json)"))
+    return rows
+
+
+# what -> the rows it lists
+LISTINGS: dict[str, Callable[[], list[tuple[str, str]]]] = {
+    "methods": _methods, "models": _models, "targets": _targets, "probes": _probes, "formats": _formats}
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=sorted(LISTINGS), help="what to list")
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = LISTINGS[args.what]()
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, about in rows:
+        print(f"{name:<{width}}  {about}".rstrip())
+    return 0

@@ -1,0 +1,68 @@
+"""The CLI's conventions: --version, `edgetrain list ...`, and --help / --version without importing torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import edgetrain
+from edgetrain.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _listing(capsys, what: str) -> dict[str, str]:
+    assert main(["list", what]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        name, _, about = line.partition("  ")
+        rows[name.strip()] = about.strip()
+    return rows
+
+
+def test_version_is_the_packages_one(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"edgetrain {edgetrain.__version__}"
+
+
+def test_list_methods_names_every_registered_method_with_its_frameworks(capsys):
+    from edgetrain.methods import METHODS
+
+    rows = _listing(capsys, "methods")
+    assert set(METHODS.names()) <= set(rows)
+    assert rows["bp"].startswith("torch") and rows["segprop"] == "torch"
+    mlx = pytest.importorskip("edgetrain.backends.mlx.methods", reason="mlx is not installed")
+    assert all("mlx" in rows[name] for name in mlx.MLX_METHODS.names())
+
+
+def test_list_models_targets_probes_and_formats(capsys):
+    from edgetrain.models import MODEL_PRESETS
+    from edgetrain.targets import available_targets
+
+    assert set(_listing(capsys, "models")) == set(MODEL_PRESETS.names())
+    targets = _listing(capsys, "targets")
+    assert set(targets) == set(available_targets()) and "torch-cpu, 8,192 MiB" in targets["cpu"]
+    probes = _listing(capsys, "probes")
+    assert probes["tensors"] == "available"
+    assert probes["darwin"].startswith("unavailable: ") if sys.platform != "darwin" else True
+    formats = _listing(capsys, "formats")
+    assert {"export: executorch", "export: onnxruntime", "adapter: edgetrain", "adapter: mlx-lm"} <= set(formats)
+
+
+def test_an_unknown_listing_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["list", "gadgets"])
+    assert done.value.code == 2 and "invalid choice: 'gadgets'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["train", "--help"], ["profile", "--help"]])
+def test_help_and_version_answer_without_importing_torch(argv):
+    script = ("import sys\nfrom edgetrain.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+              "print('TORCH', 'torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "TORCH False" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip(), "nothing printed"
