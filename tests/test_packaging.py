@@ -1,6 +1,7 @@
 """What a regular (non-editable) install of the wheel carries: the device profiles of targets/."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -57,9 +58,11 @@ def test_the_wheel_installs_with_only_its_declared_dependencies_and_trains(tmp_p
     prefix = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(prefix)])
     find_links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
+    # Without PYTHONPATH: a checkout on it would make pip find edgetrain "already installed".
+    clean = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     install = subprocess.run([str(prefix / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
                               "-c", str(REPO / "tools" / "constraints.txt"), *find_links, str(wheel)],
-                             capture_output=True, text=True, timeout=900)
+                             capture_output=True, text=True, timeout=900, env=clean)
     if install.returncode != 0 and any(sign in install.stderr for sign in (
             "Could not find a version", "No matching distribution", "NewConnectionError", "Temporary failure")):
         pytest.skip("installing the wheel's dependencies needs the package index (offline here): "

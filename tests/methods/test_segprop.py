@@ -318,6 +318,22 @@ def test_snapcheck_is_off_when_the_prefix_shares_a_trainable_parameter_with_the_
 
 # -- schedule, checkpoints ------------------------------------------------------------------------------
 
+def test_a_schedule_with_no_room_for_a_cosine_ends_at_the_floor_like_every_other():
+    # warm-up as long as the stage: past the end the rate is the floor, as with a shorter warm-up (this
+    # branch once returned the peak rate; found by the mutation triage).
+    assert cosine_multiplier(3, 3, 3, 0.1) == 0.1 == pytest.approx(cosine_multiplier(3, 3, 1, 0.1))
+    assert cosine_multiplier(2, 3, 3, 0.1) == 1.0  # the last warm-up step is still the ramp's top
+    for warmup in (1, 3):
+        learner = edgetrain.Learner(digits_resnet(), method="segprop", optimizer="sgd", lr=0.1, probe=False,
+                                    method_options={"head_blocks": 1, "segments": 2, "steps_per_stage": 3,
+                                                    "lr_schedule": "cosine", "warmup_steps": warmup,
+                                                    "min_lr_ratio": 0.1})
+        for batch in digits_batches(12):
+            learner.step(batch)
+        assert learner.method.finished
+        assert learner.method.lr_multipliers() == pytest.approx((0.1, 0.1)), warmup
+
+
 def test_stage_advancement_lr_schedule_and_plateau():
     assert cosine_multiplier(0, 10, 2, 0.0) == 0.5 and cosine_multiplier(1, 10, 2, 0.0) == 1.0
     assert cosine_multiplier(2, 10, 2, 0.1) == 1.0 and cosine_multiplier(10, 10, 2, 0.1) == pytest.approx(0.1)

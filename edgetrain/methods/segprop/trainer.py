@@ -71,8 +71,8 @@ def cosine_multiplier(step: int, total: int, warmup: int, floor: float) -> float
     cosine from 1 down to `floor` at step `total` (and `floor` after it)."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
-    if total <= warmup:
-        return 1.0
+    if total <= warmup:  # no room for a cosine: here step >= warmup >= total, past the end
+        return floor
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * progress))
 
