@@ -73,7 +73,7 @@ TARGETS: dict[str, Target] = {
         "tests/distributed/test_subnet_method.py"],
         only=["average_masked_gradients", "_ring_wire_bytes"]),
     "averaging_torchrun": Target(["edgetrain/distributed/subnet/averaging.py"], [
-        "tests/distributed/test_subnet_distributed.py"],
+        KILLS_OF.format("averaging_torchrun"), "tests/distributed/test_subnet_distributed.py"],
         only=["_Piece", "_Bucket", "MaskedAverager", "gather_full_state"]),
     "subnet_method": Target(["edgetrain/distributed/subnet/method.py"], [
         "tests/promises/test_step_formula*subnet*.py", KILLS, "tests/distributed/test_subnet_method.py"]),
