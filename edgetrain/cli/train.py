@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable
 
@@ -36,8 +37,25 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "mlx-lm adapter directory)")
     parser.add_argument("--allow-data-change", action="store_true",
                         help="resume a checkpoint on other data than it was trained on (refused otherwise)")
+    parser.add_argument("--log-jsonl", default=None, metavar="FILE",
+                        help="append one JSON line of step statistics per step (a resumed run goes on appending)")
     parser.add_argument("--quiet", action="store_true")
     return parser
+
+
+def jsonl_step_logger(path: str) -> Callable:
+    """A fit callback appending one JSON line per step to `path`. Each line is one write(2) to a file
+    opened for appending, so a process killed between steps leaves whole lines."""
+    from dataclasses import asdict
+
+    def log(learner, stats) -> None:
+        line = json.dumps({**asdict(stats), "method": learner.method_name}) + "\n"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(descriptor, line.encode("utf-8"))
+        finally:
+            os.close(descriptor)
+    return log
 
 
 def _method_options(pairs: list[str]) -> dict:
@@ -86,6 +104,10 @@ def _check_outputs(args: argparse.Namespace, framework: str) -> None:
     if args.save_adapter is not None:
         # torch writes one .safetensors file; MLX an mlx-lm adapter directory.
         ensure_writable_target(args.save_adapter, "--save-adapter", directory=framework == "mlx")
+    if args.log_jsonl is not None:
+        log = ensure_writable_target(args.log_jsonl, "--log-jsonl")
+        if log.exists() and not os.access(log, os.W_OK):
+            raise EdgetrainError(f"--log-jsonl {log} exists and cannot be written")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -116,7 +138,8 @@ def main(args: argparse.Namespace) -> int:
     stream = make_stream(args.data, start_index=learner.stream_position, **stream_options)
     learner.fit(stream, max_steps=args.steps, checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
                 checkpoint_dir=args.checkpoint_dir, progress=not args.quiet,
-                allow_data_change=args.allow_data_change)
+                allow_data_change=args.allow_data_change,
+                callbacks=[jsonl_step_logger(args.log_jsonl)] if args.log_jsonl else [])
     if args.checkpoint_dir and learner.steps_done % max(args.checkpoint_every, 1):
         learner.save_rotating(args.checkpoint_dir)
     if args.save_adapter:
