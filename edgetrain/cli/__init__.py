@@ -16,10 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="edgetrain", description="On-device training and profiling.")
     parser.add_argument("--version", action="version", version=f"edgetrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = {}
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(f"edgetrain.cli.{module_name}")
-        module.build_parser(commands.add_parser(name, help=module.__doc__.splitlines()[0],
-                                                description=module.__doc__))
+        subparsers[name] = commands.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__)
+        module.build_parser(subparsers[name])
+        subparsers[name].add_argument("--config", default=None, metavar="RUN.toml",
+                                      help="this command's flags as a TOML table (flags given here win)")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -27,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     from edgetrain.registry import EdgetrainError
 
     try:
+        if args.config is not None:
+            from edgetrain.cli.config_file import apply_config, read_config
+
+            args = apply_config(parser, subparsers[args.command], argv,
+                                read_config(args.config, subparsers[args.command]))
         return importlib.import_module(f"edgetrain.cli.{SUBCOMMANDS[args.command]}").main(args)
     except EdgetrainError as exc:
         print(f"edgetrain {args.command}: error: {exc}", file=sys.stderr)
