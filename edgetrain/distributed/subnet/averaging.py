@@ -28,6 +28,15 @@ import torch.distributed as dist
 
 from edgetrain.distributed.subnet.masks import SubnetPlan, parameter_role
 from edgetrain.distributed.subnet.subnetwork import Subnetwork
+from edgetrain.registry import EdgetrainError
+
+
+class AveragingError(EdgetrainError, ValueError):
+    """A request the averager cannot serve: an unknown engine, gradients for another worker count."""
+
+
+class ProcessGroupError(EdgetrainError, RuntimeError):
+    """The processes do not match the plan: no process group, or a rank holding another plan's subnetwork."""
 
 ENGINES = ("groups", "dense")
 
@@ -37,7 +46,7 @@ def average_masked_gradients(grads: Sequence[Mapping[str, torch.Tensor]], plan: 
     """Single-process reference of Eq. (§3.1): grads[i][name] is worker i's gradient in full coordinates
     (entries outside m_i are ignored, as if zero); returns sum_i m_i * g_i / (owner count)."""
     if len(grads) != plan.num_workers:
-        raise ValueError(f"{len(grads)} gradients for {plan.num_workers} workers")
+        raise AveragingError(f"{len(grads)} gradients for {plan.num_workers} workers")
     out = {}
     for name, shape in shapes.items():
         total = torch.zeros(tuple(shape), dtype=grads[0][name].dtype, device=grads[0][name].device)
@@ -95,13 +104,13 @@ class MaskedAverager:
 
     def __init__(self, subnet: Subnetwork, engine: str = "groups") -> None:
         if engine not in ENGINES:
-            raise ValueError(f"unknown averaging engine {engine!r}; known: {', '.join(ENGINES)}")
+            raise AveragingError(f"unknown averaging engine {engine!r}; known: {', '.join(ENGINES)}")
         if not dist.is_initialized():
-            raise RuntimeError("MaskedAverager needs torch.distributed initialised (torchrun, init_process_group)")
+            raise ProcessGroupError("MaskedAverager needs torch.distributed initialised (torchrun, init_process_group)")
         self.subnet, self.plan, self.engine = subnet, subnet.plan, engine
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != self.plan.num_workers or self.rank != subnet.worker:
-            raise RuntimeError(f"rank {self.rank} of {self.world} holds worker {subnet.worker}'s subnetwork of a "
+            raise ProcessGroupError(f"rank {self.rank} of {self.world} holds worker {subnet.worker}'s subnetwork of a "
                                f"plan for {self.plan.num_workers} workers; rank and worker must agree")
         self.params = dict(subnet.named_parameters())
         self.stats = {"payload_bytes": 0, "wire_bytes": 0, "collectives": 0}
@@ -171,7 +180,7 @@ class MaskedAverager:
         `engine` overrides the one chosen at construction (every rank must pass the same)."""
         engine = engine or self.engine
         if engine not in ENGINES:
-            raise ValueError(f"unknown averaging engine {engine!r}; known: {', '.join(ENGINES)}")
+            raise AveragingError(f"unknown averaging engine {engine!r}; known: {', '.join(ENGINES)}")
         self.stats = {"payload_bytes": 0, "wire_bytes": 0, "collectives": 0}
         for param in self.params.values():
             if param.grad is None:  # a parameter autograd did not reach still sends its zeros
