@@ -29,20 +29,24 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | torch.dtype = torch.float32,
                device: str | torch.device | None = None) -> nn.Module:
-    """A model by preset name (random init) or from a Hugging Face-format checkpoint directory.
-    backend="mlx" gives the MLX decoder (edgetrain.backends.mlx.loading.load_mlx_model; `device` unused)."""
-    if backend == "mlx":
-        from edgetrain.backends import get_backend
+    """A model by preset name (random init) or from a Hugging Face-format checkpoint directory, for
+    `backend` ("torch" = "torch-cpu", "torch-cuda", "mlx": the MLX decoder, `device` unused)."""
+    from edgetrain.backends import BACKENDS
+    from edgetrain.backends.base import BACKEND_ALIASES
 
-        get_backend("mlx")  # says why not (mlx missing) before importing it
-        from edgetrain.backends.mlx.loading import load_mlx_model
+    name = BACKEND_ALIASES.get(backend, backend) if isinstance(backend, str) else backend
+    if not isinstance(name, str) or name not in BACKENDS:
+        known = ", ".join(sorted([*BACKEND_ALIASES, *BACKENDS.names()]))
+        raise EdgetrainError(f"load_model: unknown backend {backend!r}; known: {known}")
+    # A backend that cannot run here (mlx not installed, no CUDA) says why before its loader is imported.
+    entry = BACKENDS.get(name).require()
+    return entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
 
-        return load_mlx_model(name_or_path, dtype=dtype)
-    if backend not in ("torch", "torch-cpu", "torch-cuda"):
-        raise EdgetrainError(f"load_model: unknown backend {backend!r}; known: torch, torch-cpu, torch-cuda, mlx")
+
+def load_torch_model(name_or_path: str | Path, dtype: str | torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> nn.Module:
+    """A torch model by preset name (random init) or from a Hugging Face-format checkpoint directory."""
     dtype = parse_dtype(dtype)
-    if device is None:
-        device = "cuda" if backend == "torch-cuda" else "cpu"
     path = Path(name_or_path)
     if path.is_dir():
         return load_checkpoint_dir(path, dtype=dtype, device=device)
@@ -57,4 +61,4 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
 
 
 __all__ = ["ARCHITECTURES", "MODEL_PRESETS", "CheckpointError", "ConfigError", "LlamaConfig",
-           "LlamaModel", "load_model", "parse_dtype", "run_blocks"]
+           "LlamaModel", "load_model", "load_torch_model", "parse_dtype", "run_blocks"]

@@ -7,12 +7,11 @@ same five questions; `available()` never raises, and says why when the answer is
 from __future__ import annotations
 
 import gc
-import sys
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
+from edgetrain.backends.host import is_jetson  # noqa: F401  (edgetrain.probes.is_jetson)
 from edgetrain.probes.glibc import release_free_heap
 from edgetrain.registry import EdgetrainError, Registry
 
@@ -48,30 +47,14 @@ def require_available(probe: MemoryProbe) -> None:
         raise ProbeUnavailableError(f"memory probe {probe.name!r} is not available here: {reason}")
 
 
-def is_jetson(tegra_release: str | Path = "/etc/nv_tegra_release",
-              meminfo: str | Path = "/proc/meminfo") -> bool:
-    """An NVIDIA Jetson (L4T): the release file, or the NvMap line its kernel adds to meminfo."""
-    if Path(tegra_release).exists():
-        return True
-    try:
-        return "NvMapMemUsed:" in Path(meminfo).read_text()
-    except OSError:
-        return False
-
-
 def default_probe_name(backend: str) -> str:
-    """Which probe reads the memory a backend really uses."""
-    if backend == "torch-cuda":
-        return "cuda"
-    if backend == "mlx":
-        return "mlx"
-    if backend == "torch-cpu":
-        if sys.platform == "darwin":
-            return "darwin"
-        # On a Jetson, CPU training still shares RAM with the GPU carve-out: read it the Jetson way.
-        return "jetson" if is_jetson() else "linux"
-    raise EdgetrainError(f"no default memory probe for backend {backend!r}; "
-                         "known backends: mlx, torch-cpu, torch-cuda")
+    """Which probe reads the memory a backend really uses (its registry entry says)."""
+    from edgetrain.backends import BACKENDS
+
+    if backend not in BACKENDS:
+        raise EdgetrainError(f"no default memory probe for backend {backend!r}; "
+                             f"known backends: {', '.join(BACKENDS.names())}")
+    return BACKENDS.get(backend).probe()
 
 
 def default_probe(backend: str) -> MemoryProbe:

@@ -5,7 +5,7 @@ import pytest
 
 from edgetrain.probes import (PROBES, MemoryProbe, ProbeUnavailableError, default_probe, default_probe_name,
                               measure, measuring)
-from edgetrain.probes import base
+from edgetrain.backends import host
 from edgetrain.registry import EdgetrainError, UnknownNameError
 
 
@@ -24,8 +24,8 @@ def test_every_probe_is_registered_and_answers_available_without_raising():
 @pytest.mark.parametrize("platform, jetson, expected", [
     ("linux", False, "linux"), ("linux", True, "jetson"), ("darwin", False, "darwin")])
 def test_default_probe_for_torch_cpu_follows_the_machine(monkeypatch, platform, jetson, expected):
-    monkeypatch.setattr(base.sys, "platform", platform)
-    monkeypatch.setattr(base, "is_jetson", lambda: jetson)
+    monkeypatch.setattr(host.sys, "platform", platform)
+    monkeypatch.setattr(host, "is_jetson", lambda: jetson)
     assert default_probe_name("torch-cpu") == expected
     assert default_probe("torch-cpu").name == expected
 

@@ -41,4 +41,5 @@ def synchronize() -> None:
 
 if "mlx" not in BACKENDS:
     BACKENDS.add("mlx", Backend(name="mlx", framework="mlx", device=expected_device(), synchronize=synchronize,
-                                availability=mlx_availability, learner="edgetrain.backends.mlx.learner:MLXLearner"))
+                                availability=mlx_availability, probe=lambda: "mlx",
+                                loader="edgetrain.backends.mlx.loading:load_mlx_for_backend", learner="edgetrain.backends.mlx.learner:MLXLearner"))
