@@ -66,3 +66,13 @@ def test_help_and_version_answer_without_importing_torch(argv):
     done = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "TORCH False" in done.stderr, done.stderr[-2000:]
     assert done.stdout.strip(), "nothing printed"
+
+
+def test_help_documents_the_exit_codes_the_cli_uses(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "exit codes:" in text and "  2    refused" in text and "  130  interrupted" in text
+    config = tmp_path / "run.toml"
+    config.write_text("steps = 'many'\n")
+    assert main(["train", "--config", str(config)]) == 2  # refused, as documented

@@ -6,6 +6,12 @@ import importlib
 import sys
 
 # subcommand -> module under edgetrain.cli (imported only when used: keeps --help fast)
+EXIT_CODES = """exit codes:
+  0    done
+  2    refused: a bad argument, config, file or value (one line on stderr says what and where)
+  130  interrupted (Ctrl-C); a run with --checkpoint-dir resumes where it was
+  1    a bug in edgetrain: anything else (a traceback); please report it"""
+
 SUBCOMMANDS = {"profile": "profile", "train": "train", "export": "export", "list": "list"}
 
 
@@ -13,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from edgetrain import __version__
 
-    parser = argparse.ArgumentParser(prog="edgetrain", description="On-device training and profiling.")
+    parser = argparse.ArgumentParser(prog="edgetrain", description="On-device training and profiling.",
+                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"edgetrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers = {}
