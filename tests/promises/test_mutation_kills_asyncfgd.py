@@ -175,6 +175,36 @@ def test_a_failed_step_keeps_no_tangent_any_module_drew_in_it_and_the_retry_is_e
     assert all(torch.equal(p, dict(reference_model.named_parameters())[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("failing_step, failing_module", [(1, 1), (2, 2), (2, 1)])
+def test_a_step_that_fails_while_the_pipeline_fills_keeps_no_tangent_drawn_for_the_first_sample(
+        monkeypatch, failing_step, failing_module):
+    # During the fill, module k first draws at step t = k, for sample 0: a failure there must drop those
+    # tangents too (the release covers every k <= t, sample 0 included), and the retry is exact.
+    def method_on(model):
+        return AsyncFGD(model, num_modules=3, runtime="reference", num_tangents=2, tangent_checkpoint=False)
+
+    batches = feature_batches(4)
+    reference_model = mlp_float64()
+    reference = method_on(reference_model)
+    for batch in batches:
+        reference.step(batch, plain_sgd(reference_model))
+    model = mlp_float64()
+    method = method_on(model)
+    for batch in batches[:failing_step]:
+        method.step(batch, plain_sgd(model))
+    kept_before = method.bank.kept_bytes()
+    stage = method.stages[failing_module]
+    real_forward = stage.forward
+    monkeypatch.setattr(stage, "forward", lambda *args: (real_forward(*args), fail("module failed")())[1])
+    with pytest.raises(RuntimeError, match="module failed"):
+        method.step(batches[failing_step], plain_sgd(model))
+    assert method.bank.kept_bytes() == kept_before and method.steps_taken == failing_step
+    monkeypatch.setattr(stage, "forward", real_forward)
+    for batch in batches[failing_step:]:
+        method.step(batch, plain_sgd(model))
+    assert all(torch.equal(p, dict(reference_model.named_parameters())[n]) for n, p in model.named_parameters())
+
+
 def test_a_sample_that_leaves_without_updating_keeps_no_tangent_behind():
     # A sample with a non-finite loss leaves the pipeline without updating any module; the tangents
     # the modules kept for it (tangent_checkpoint=False) are never taken by an update, so they must be
