@@ -269,8 +269,7 @@ class Learner:
             over = first_slice_over_budget(self._measure_undone_step, batch, self.weights_bytes,
                                            self.memory_budget)
             if over is not None:
-                tried.append(f"{self.method_name}: over {over.needed_bytes / 2**20:,.1f} MiB (measured on "
-                             f"{over.slice_tokens} of the batch's {over.batch_tokens} tokens)")
+                tried.append(over.describe(self.method_name))
             else:
                 snapshot = self._snapshot()
                 self._budget_checked = True

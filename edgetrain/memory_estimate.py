@@ -28,6 +28,11 @@ class SliceOverBudget:
     slice_tokens: int
     batch_tokens: int
 
+    def describe(self, method: str) -> str:
+        """One entry of the budget error's list of what was tried."""
+        return (f"{method}: over {self.needed_bytes / 2**20:,.1f} MiB (measured on {self.slice_tokens} of the "
+                f"batch's {self.batch_tokens} tokens)")
+
 
 def _slice(batch: Batch, rows: int, columns: int | None) -> Batch:
     inputs, targets = batch.inputs[:rows], batch.targets[:rows]

@@ -27,18 +27,24 @@ def text_batches():
     return text_token_batches
 
 
+def random_lora_b(model, seed: int, scale: float) -> None:
+    """A fresh LoRA B is zero, which makes every A gradient zero: useless for parity. Fill each B from its
+    own seeded generator instead."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
 @pytest.fixture
 def tiny_lora():
     def build(rank: int = 4, seed: int = 0, random_b: bool = True, **lora):
         torch.manual_seed(seed)
         model = edgetrain.load_model("tiny")
         edgetrain.add_lora(model, rank=rank, **lora)
-        if random_b:  # a fresh B is zero, which makes every A gradient zero: useless for parity
-            generator = torch.Generator().manual_seed(seed + 1)
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if name.endswith("lora_B"):
-                        param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        if random_b:
+            random_lora_b(model, seed + 1, 0.02)
         return model
     return build
 

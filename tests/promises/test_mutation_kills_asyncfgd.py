@@ -145,45 +145,13 @@ def test_a_failed_step_keeps_no_tangent_for_the_batch_that_did_not_enter(monkeyp
     assert unchanged(model, before) and method.steps_taken == 2
 
 
-@pytest.mark.parametrize("runtime", ["reference", "threads"])
-def test_a_failed_step_keeps_no_tangent_any_module_drew_in_it_and_the_retry_is_exact(monkeypatch, runtime):
-    # Module k draws its tangents for sample t - k during step t. When the step fails nothing advances,
-    # so what modules k >= 1 drew in it must go too (in_flight_tensors() would report them, and they
-    # would sit in memory until the retry), and the retry must give the uninterrupted run's weights.
+def _fail_in_module_then_retry(monkeypatch, runtime: str, steps: int, failing_step: int, failing_module: int) -> None:
+    """Run `steps` batches with module `failing_module` failing once in step `failing_step`: the failed
+    step keeps no tangent it drew and counts nothing, and the retry gives the uninterrupted run's weights."""
     def method_on(model):
         return AsyncFGD(model, num_modules=3, runtime=runtime, num_tangents=2, tangent_checkpoint=False)
 
-    batches = feature_batches(5)
-    reference_model = mlp_float64()
-    reference = method_on(reference_model)
-    for batch in batches:
-        reference.step(batch, plain_sgd(reference_model))
-    model = mlp_float64()
-    method = method_on(model)
-    for batch in batches[:3]:
-        method.step(batch, plain_sgd(model))
-    kept_before = method.bank.kept_bytes()
-    last = method.stages[-1]
-    real_forward = last.forward
-    monkeypatch.setattr(last, "forward", lambda *args: (real_forward(*args), fail("module 2 failed")())[1])
-    with pytest.raises(RuntimeError, match="module 2 failed"):
-        method.step(batches[3], plain_sgd(model))
-    assert method.bank.kept_bytes() == kept_before and method.steps_taken == 3
-    monkeypatch.setattr(last, "forward", real_forward)
-    for batch in batches[3:]:
-        method.step(batch, plain_sgd(model))
-    assert all(torch.equal(p, dict(reference_model.named_parameters())[n]) for n, p in model.named_parameters())
-
-
-@pytest.mark.parametrize("failing_step, failing_module", [(1, 1), (2, 2), (2, 1)])
-def test_a_step_that_fails_while_the_pipeline_fills_keeps_no_tangent_drawn_for_the_first_sample(
-        monkeypatch, failing_step, failing_module):
-    # During the fill, module k first draws at step t = k, for sample 0: a failure there must drop those
-    # tangents too (the release covers every k <= t, sample 0 included), and the retry is exact.
-    def method_on(model):
-        return AsyncFGD(model, num_modules=3, runtime="reference", num_tangents=2, tangent_checkpoint=False)
-
-    batches = feature_batches(4)
+    batches = feature_batches(steps)
     reference_model = mlp_float64()
     reference = method_on(reference_model)
     for batch in batches:
@@ -203,6 +171,23 @@ def test_a_step_that_fails_while_the_pipeline_fills_keeps_no_tangent_drawn_for_t
     for batch in batches[failing_step:]:
         method.step(batch, plain_sgd(model))
     assert all(torch.equal(p, dict(reference_model.named_parameters())[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("runtime", ["reference", "threads"])
+def test_a_failed_step_keeps_no_tangent_any_module_drew_in_it_and_the_retry_is_exact(monkeypatch, runtime):
+    # Module k draws its tangents for sample t - k during step t. When the step fails nothing advances,
+    # so what modules k >= 1 drew in it must go too (in_flight_tensors() would report them, and they
+    # would sit in memory until the retry), and the retry must give the uninterrupted run's weights.
+    _fail_in_module_then_retry(monkeypatch, runtime, steps=5, failing_step=3, failing_module=2)
+
+
+@pytest.mark.parametrize("failing_step, failing_module", [(1, 1), (2, 2), (2, 1)])
+def test_a_step_that_fails_while_the_pipeline_fills_keeps_no_tangent_drawn_for_the_first_sample(
+        monkeypatch, failing_step, failing_module):
+    # During the fill, module k first draws at step t = k, for sample 0: a failure there must drop those
+    # tangents too (the release covers every k <= t, sample 0 included), and the retry is exact.
+    _fail_in_module_then_retry(monkeypatch, "reference", steps=4, failing_step=failing_step,
+                               failing_module=failing_module)
 
 
 def test_a_sample_that_leaves_without_updating_keeps_no_tangent_behind():

@@ -27,6 +27,7 @@ from edgetrain.methods.mesp.ops import (LinearWeights, LoRAGradients, accumulate
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.probes.tensors import TensorAccountant
 from edgetrain.registry import EdgetrainError
+from conftest import random_lora_b
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,11 +44,7 @@ def small_decoder(seed: int = 0, **overrides) -> LlamaModel:
     model = LlamaModel(config)
     model.init_weights(std=0.1, seed=seed)
     edgetrain.add_lora(model, rank=2)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_B"):
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    random_lora_b(model, seed + 1, 0.05)
     return model.double()
 
 

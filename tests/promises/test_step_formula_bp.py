@@ -15,6 +15,7 @@ from edgetrain.data.batch import Batch
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.models.lora import lora_layers
 from float64_mlp import mlp_float64
+from conftest import random_lora_b
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,11 +39,7 @@ def lora_decoder_float64(seed: int = 0) -> LlamaModel:
     model = LlamaModel(config)
     model.init_weights(std=0.1, seed=seed)
     edgetrain.add_lora(model, rank=RANK, alpha=ALPHA)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_B"):
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    random_lora_b(model, seed + 1, 0.05)
     return model.double()
 
 
