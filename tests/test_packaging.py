@@ -27,7 +27,9 @@ def test_an_installed_wheel_finds_every_device_target(tmp_path):
     wheel = next((tmp_path / "wheel").glob("edgetrain-*.whl"))
     # The new environment's own pip: this environment's pip with --prefix would first uninstall the
     # edgetrain installed here (pip replaces a distribution it finds in the environment it runs in).
-    run([str(prefix / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)])
+    # Without PYTHONPATH: a checkout on it would make pip find edgetrain "already installed".
+    run([str(prefix / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        env={name: value for name, value in os.environ.items() if name != "PYTHONPATH"})
     # The new environment borrows this one's dependencies (torch, ...) but not its editable edgetrain:
     # PYTHONPATH entries are not site directories, so the editable install's .pth hook is not run there.
     dependencies = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
