@@ -5,36 +5,12 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain.data.batch import Batch
-
-
-def text_token_batches(count: int, seq_len: int = 32, batch_size: int = 2, offset: int = 0) -> list[Batch]:
-    from pydoc_data.topics import topics
-
-    data = "".join(topics[key] for key in sorted(topics)).encode("utf-8")
-    ids = torch.tensor(list(data), dtype=torch.long)
-    span = seq_len + 1
-    batches = []
-    for index in range(count):
-        start = offset + index * batch_size * span
-        chunk = ids[start:start + batch_size * span].view(batch_size, span)
-        batches.append(Batch(chunk[:, :-1].clone(), chunk[:, 1:].clone(), index))
-    return batches
+from testkit import random_lora_b, text_token_batches
 
 
 @pytest.fixture
 def text_batches():
     return text_token_batches
-
-
-def random_lora_b(model, seed: int, scale: float) -> None:
-    """A fresh LoRA B is zero, which makes every A gradient zero: useless for parity. Fill each B from its
-    own seeded generator instead."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("lora_B"):
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
 
 
 @pytest.fixture

@@ -207,7 +207,7 @@ def test_memory_budget_falls_back_when_allowed():
     script = """
 import sys, torch, edgetrain
 sys.path.insert(0, "tests")
-from conftest import text_token_batches
+from testkit import text_token_batches
 torch.manual_seed(0)
 model = edgetrain.load_model("tiny")
 edgetrain.add_lora(model, rank=4)

@@ -50,7 +50,7 @@ class _Module:
         for node in ast.walk(self.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.functions.setdefault(node.name, node)
-        # name used here -> (module file, name there) for `from tests... import name` / `from conftest import`
+        # name used here -> (module file, name there) for `from tests... import name` / `from testkit import`
         self.imported: dict[str, tuple[Path, str]] = {}
         for node in ast.walk(self.tree):
             if isinstance(node, ast.ImportFrom) and node.module:

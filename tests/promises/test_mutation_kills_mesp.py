@@ -27,7 +27,7 @@ from edgetrain.methods.mesp.ops import (LinearWeights, LoRAGradients, accumulate
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.probes.tensors import TensorAccountant
 from edgetrain.registry import EdgetrainError
-from conftest import random_lora_b
+from testkit import random_lora_b
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

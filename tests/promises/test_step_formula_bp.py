@@ -15,7 +15,7 @@ from edgetrain.data.batch import Batch
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.models.lora import lora_layers
 from float64_mlp import mlp_float64
-from conftest import random_lora_b
+from testkit import random_lora_b
 
 # One intra-op thread (tests/conftest.py: fixed reduction order, no OpenMP spinning).
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,0 +1,32 @@
+"""Helpers that test modules import by name (`from testkit import ...`). They live here rather than in
+conftest.py because several conftest.py files share that module name, and which one `import conftest`
+finds depends on which directories a run collects."""
+from __future__ import annotations
+
+import torch
+
+from edgetrain.data.batch import Batch
+
+
+def text_token_batches(count: int, seq_len: int = 32, batch_size: int = 2, offset: int = 0) -> list[Batch]:
+    from pydoc_data.topics import topics
+
+    data = "".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    ids = torch.tensor(list(data), dtype=torch.long)
+    span = seq_len + 1
+    batches = []
+    for index in range(count):
+        start = offset + index * batch_size * span
+        chunk = ids[start:start + batch_size * span].view(batch_size, span)
+        batches.append(Batch(chunk[:, :-1].clone(), chunk[:, 1:].clone(), index))
+    return batches
+
+
+def random_lora_b(model, seed: int, scale: float) -> None:
+    """A fresh LoRA B is zero, which makes every A gradient zero: useless for parity. Fill each B from its
+    own seeded generator instead."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
