@@ -1,4 +1,5 @@
-"""What a regular (non-editable) install of the wheel carries: the device profiles of targets/."""
+"""What a regular (non-editable) install of the wheel carries: the device profiles (package data), and
+nothing that only the tests use."""
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ def test_an_installed_wheel_finds_every_device_target(tmp_path):
     # The new environment borrows this one's dependencies (torch, ...) but not its editable edgetrain:
     # PYTHONPATH entries are not site directories, so the editable install's .pth hook is not run there.
     dependencies = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
-    expected = sorted(p.stem for p in (REPO / "targets").glob("*.toml"))
+    expected = sorted(p.stem for p in (REPO / "edgetrain" / "targets" / "profiles").glob("*.toml"))
     result = run([str(prefix / "bin" / "python"), "-c",
                   "import edgetrain, edgetrain.targets as t; print(edgetrain.__file__); print(t.targets_directory()); "
                   "print(','.join(t.available_targets())); "
@@ -41,7 +42,7 @@ def test_an_installed_wheel_finds_every_device_target(tmp_path):
                  cwd=tmp_path, env={"PYTHONPATH": ":".join(dependencies), "PATH": "/usr/bin:/bin"})
     module, directory, names, loaded = result.stdout.split()
     assert Path(module).is_relative_to(prefix)  # the installed copy, not the checkout
-    assert Path(directory) == prefix / "share" / "edgetrain" / "targets"
+    assert Path(directory).is_relative_to(prefix) and Path(directory).name == "profiles"
     assert names.split(",") == expected and int(loaded) == len(expected)
     # Building and installing elsewhere left this environment's edgetrain where it was.
     here = run([sys.executable, "-c", "import edgetrain; print(edgetrain.__file__)"], cwd=tmp_path)

@@ -1,37 +1,36 @@
 """Starting torchrun on this machine from Python: the tests, the benchmarks under tools/ and the samples
 run every distributed method this way (`--standalone`, N worker processes on localhost).
 
-One retry, for one kind of failure only: a worker killed by a signal other than the launcher's own
-SIGTERM/SIGKILL. CI once saw a gloo worker of the SCPL pipeline abort with "terminate called without an
-active exception" -- SIGABRT from inside the C++ transport, no Python traceback, and not reproduced in
-~120 local runs of the same test (up to 3 at a time on 2 cores). Every entry point started here seeds its
-model and data and starts from scratch, so a fresh torchrun computes the same result. A worker that fails for a reason of its own (a
-Python exception, exit code 1) is not rerun: its error comes back at once. The retry is never silent: it
-raises a RuntimeWarning naming the rank and the signal, and `TorchrunResult.attempts` says 2.
+One retry, for one kind of failure only: the first worker to fail was killed by a signal other than the
+launcher's own SIGTERM/SIGKILL (a C++ abort inside the transport, with no Python error to report). Every
+entry point started here seeds its model and data and starts from scratch, so a fresh torchrun computes the
+same result. A worker that fails for a reason of its own (a Python exception, exit code 1) is not rerun.
+The retry is never silent: it raises a RuntimeWarning naming the rank and the signal, and
+`TorchrunResult.attempts` says 2. The decision reads torch.distributed.elastic's own record of the failure
+(exit code and signal of each rank, which failed first), written as JSON by edgetrain.distributed.elastic_run.
 
-torchrun's own `--max-restarts` is not used: the group it restarted inside the same agent failed in 2 of 4
-tries here (once both new workers hung in init_process_group, in gloo's connect; once it exited 1).
-
-A run that outlives its timeout is killed with all its workers, so none is left behind holding a port.
+torchrun's own `--max-restarts` is not used: its in-agent restart of the group proved unreliable with gloo
+(the launcher row of docs/reliability.md). A run that outlives its timeout is killed with all its workers, so none is left
+behind holding a port.
 """
 from __future__ import annotations
 
+import json
 import os
-import re
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edgetrain.registry import EdgetrainError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RETRIES = 1
-# torchrun's failure summary, one block per failed rank: "rank      : 1 (local_rank: 1)" ... "exitcode  : -6"
-_FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 _LAUNCHER_SIGNALS = {signal.SIGTERM, signal.SIGKILL}  # how torchrun stops the others once one has failed
 
 
@@ -42,6 +41,7 @@ class TorchrunResult:
     stderr: str
     attempts: int = 1
     retried_because: str | None = None  # "rank 1 died of SIGABRT" when the first attempt was rerun
+    failures: dict[str, Any] | None = None  # the last attempt's failure record (elastic_run.failure_record)
 
 
 def torchrun_command(num_workers: int, module: str, argv: Sequence[str], *,
@@ -61,31 +61,41 @@ def worker_env(threads_per_worker: int = 1) -> dict[str, str]:
             "PYTHONPATH": path}
 
 
-def signal_death(stderr: str) -> str | None:
-    """'rank R died of SIGNAME' when torchrun's summary shows a worker killed by a signal the launcher did not
-    send (the first such rank), else None -- a Python error, a clean exit, or a summary we cannot read."""
-    for rank, exitcode in _FAILURE.findall(stderr.split("Root Cause", 1)[-1] if "Root Cause" in stderr else stderr):
-        code = int(exitcode)
-        if code < 0:
-            try:
-                sig = signal.Signals(-code)
-            except ValueError:
-                return f"rank {rank} died of signal {-code}"
-            if sig not in _LAUNCHER_SIGNALS:
-                return f"rank {rank} died of {sig.name}"
-    return None
-
-
-def _run_once(command: list[str], env: dict[str, str], cwd: str | Path | None, timeout: float,
-              what: str) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def signal_death(failures: dict[str, Any] | None) -> str | None:
+    """'rank R died of SIGNAME' when the first rank to fail was killed by a signal the launcher did not send,
+    else None: a Python error, a clean exit, or no record at all (torchrun itself failed)."""
+    if not failures or str(failures.get("first_rank")) not in failures.get("failures", {}):
+        return None
+    rank = str(failures["first_rank"])
+    code = failures["failures"][rank]["exitcode"]
+    if not isinstance(code, int) or code >= 0:
+        return None
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        kill_tree(proc.pid)
-        proc.communicate()
-        raise EdgetrainError(f"{what} did not finish in {timeout:.0f} s (torchrun and its workers were killed)") from exc
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"rank {rank} died of signal {-code}"
+    return None if sig in _LAUNCHER_SIGNALS else f"rank {rank} died of {sig.name}"
+
+
+def _run_once(torchrun: list[str], env: dict[str, str], cwd: str | Path | None, timeout: float,
+              what: str) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
+    """One torchrun command line, run by elastic_run (the same launch, plus a JSON record of the failures),
+    and that record when workers failed."""
+    python, torchrun_args = torchrun[0], torchrun[3:]  # [python, "-m", "torch.distributed.run", *args]
+    with tempfile.TemporaryDirectory(prefix="edgetrain-torchrun-") as tmp:
+        record = Path(tmp) / "failures.json"
+        command = [python, "-m", "edgetrain.distributed.elastic_run", str(record), *torchrun_args]
+        proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            kill_tree(proc.pid)
+            proc.communicate()
+            raise EdgetrainError(f"{what} did not finish in {timeout:.0f} s (torchrun and its workers were killed)") \
+                from exc
+        failures = json.loads(record.read_text()) if record.is_file() else None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), failures
 
 
 def kill_tree(pid: int) -> None:
@@ -117,9 +127,9 @@ def run_torchrun(num_workers: int, module: str, argv: Sequence[str], *, timeout:
     command = torchrun_command(num_workers, module, argv, python=python)
     what = f"torchrun {module} with {num_workers} workers"
     env = worker_env(threads_per_worker)
-    done, attempts, reason = _run_once(command, env, cwd, timeout, what), 1, None
-    while done.returncode != 0 and attempts <= retries and (death := signal_death(done.stderr)):
+    (done, failures), attempts, reason = _run_once(command, env, cwd, timeout, what), 1, None
+    while done.returncode != 0 and attempts <= retries and (death := signal_death(failures)):
         warnings.warn(f"{what}: {death} (no Python error); running it again from the start", RuntimeWarning,
                       stacklevel=2)
-        done, attempts, reason = _run_once(command, env, cwd, timeout, what), attempts + 1, death
-    return TorchrunResult(done.returncode, done.stdout, done.stderr, attempts, reason)
+        (done, failures), attempts, reason = _run_once(command, env, cwd, timeout, what), attempts + 1, death
+    return TorchrunResult(done.returncode, done.stdout, done.stderr, attempts, reason, failures)

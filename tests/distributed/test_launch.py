@@ -1,5 +1,6 @@
-"""edgetrain.distributed.launch: the torchrun command line; a run whose worker dies of SIGABRT is run again
-once (with a warning), a worker's own Python error is not; a timeout leaves no worker behind."""
+"""edgetrain.distributed.launch: the torchrun command line; a run whose worker dies of SIGABRT (as torch
+elastic's failure record says) is run again once, with a warning; a worker's own Python error is not; a
+timeout leaves no worker behind."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from edgetrain.distributed.elastic_run import failure_record
 from edgetrain.distributed.launch import (
     REPO_ROOT,
     run_torchrun,
@@ -20,28 +24,16 @@ from edgetrain.registry import EdgetrainError
 
 WORKERS = str(Path(__file__).resolve().parent / "workers")
 
-# The summary torchrun printed when CI's SCPL pipeline worker aborted (trimmed).
-CI_SUMMARY = """edgetrain.distributed.scpl_pipeline FAILED
-Failures:
-[1]:
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 1336)  (SIGTERM)
-[2]:
-  rank      : 2 (local_rank: 2)
-  exitcode  : -15 (pid: 1338)  (SIGTERM)
-------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  rank      : 1 (local_rank: 1)
-  exitcode  : -6 (pid: 1337)  (SIGABRT)
-  traceback : Signal 6 (SIGABRT) received by PID 1337
-"""
-PYTHON_ERROR_SUMMARY = """Root Cause (first observed failure):
-[0]:
-  rank      : 1 (local_rank: 1)
-  exitcode  : 1 (pid: 77)
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-"""
+
+
+def ci_failure(root_exitcode: int = -6) -> ChildFailedError:
+    """torch.distributed.elastic's record of what CI saw when an SCPL pipeline worker aborted: rank 1 died
+    first (SIGABRT inside gloo), then the launcher stopped ranks 0 and 2 with SIGTERM."""
+    failures = {0: ProcessFailure(0, 1336, -15, ""), 2: ProcessFailure(2, 1338, -15, ""),
+                1: ProcessFailure(1, 1337, root_exitcode, "")}
+    for rank, failure in failures.items():
+        failure.timestamp = 1000 + (0 if rank == 1 else 5)
+    return ChildFailedError("edgetrain.distributed.scpl_pipeline", failures)
 
 
 def test_the_command_runs_the_module_standalone():
@@ -63,10 +55,14 @@ def test_workers_get_the_thread_count_and_the_repository_on_their_path(monkeypat
 
 
 def test_signal_deaths_are_told_from_python_errors_and_the_launchers_sigterm():
-    assert signal_death(CI_SUMMARY) == "rank 1 died of SIGABRT"
-    assert signal_death(PYTHON_ERROR_SUMMARY) is None
-    assert signal_death(CI_SUMMARY.split("Root Cause")[0]) is None  # only SIGTERMs: torchrun stopping the rest
-    assert signal_death("something torchrun never prints") is None
+    record = failure_record(ci_failure())
+    assert record["first_rank"] == 1 and record["failures"]["1"]["signal"] == "SIGABRT"
+    assert signal_death(record) == "rank 1 died of SIGABRT"
+    assert signal_death(failure_record(ci_failure(root_exitcode=1))) is None  # a Python error: exit code 1
+    assert signal_death(failure_record(ci_failure(root_exitcode=-15))) is None  # only the launcher's SIGTERMs
+    assert signal_death(failure_record(ci_failure(root_exitcode=-99))) == "rank 1 died of signal 99"
+    assert signal_death(None) is None  # no record: torchrun itself failed before any worker ran
+    assert signal_death({"first_rank": 3, "failures": {}}) is None
 
 
 @pytest.fixture
@@ -87,7 +83,8 @@ def test_without_retries_the_abort_fails_the_run(tmp_path, worker_path):
     out, marker = tmp_path / "report.json", tmp_path / "marker"
     done = run_torchrun(2, "abort_once", [str(out), str(marker)], timeout=120, retries=0)
     assert done.returncode != 0 and done.attempts == 1 and not out.exists()
-    assert signal_death(done.stderr) == "rank 1 died of SIGABRT"
+    assert signal_death(done.failures) == "rank 1 died of SIGABRT"
+    assert "SIGABRT" in done.stderr  # torchrun's own summary is still there for people
 
 
 def test_a_python_error_is_not_run_again(tmp_path, worker_path):
@@ -95,6 +92,7 @@ def test_a_python_error_is_not_run_again(tmp_path, worker_path):
     done = run_torchrun(2, "abort_once", [str(out), str(marker), "python-error"], timeout=120)
     assert done.returncode != 0 and done.attempts == 1 and not out.exists()
     assert "a bug of the worker's own" in done.stderr
+    assert done.failures["failures"]["1"]["exitcode"] == 1
 
 
 def test_a_timeout_kills_the_workers_too(tmp_path, worker_path):

@@ -5,16 +5,24 @@ self-check with N = 4, P = 2 and the torchrun entry point with N = 2. The digits
 (a few minutes) is marked slow."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from edgetrain.distributed.subnet.run import launch_local, save_data_file
 
 
+WORKERS = str(Path(__file__).resolve().parent / "workers")
+
+
 @pytest.fixture(scope="module")
 def selfcheck():
     # Three steps per masking kind, then a P = N run next to torch DDP; every rank reports.
-    return launch_local(4, ["--overlap", "2", "--steps", "3", "--batch-size", "4"],
-                        module="edgetrain.distributed.subnet.selfcheck", timeout=400)
+    # workers/subnet_selfcheck.py is a test program, not part of the package: the workers find it on PYTHONPATH.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", WORKERS)
+        return launch_local(4, ["--overlap", "2", "--steps", "3", "--batch-size", "4"],
+                            module="subnet_selfcheck", timeout=400)
 
 
 @pytest.mark.parametrize("masking", ["block", "neuron"])

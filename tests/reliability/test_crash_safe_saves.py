@@ -220,7 +220,7 @@ def _subnet_report(out: Path, seed: int) -> None:
 
 
 def _subnet_selfcheck(out: Path, seed: int) -> None:
-    from edgetrain.distributed.subnet import selfcheck
+    import subnet_selfcheck as selfcheck
 
     with _one_process_group():
         selfcheck.main(["--maskings", "neuron", "--overlap", "1", "--steps", "1", "--batch-size", "2",

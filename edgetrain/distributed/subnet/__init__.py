@@ -9,7 +9,6 @@ gradients averaged over exactly the owners.
   alignment.py   the gradient-alignment diagnostic of §5
   method.py      `subnet_dp` in METHODS: the N workers simulated in one process
   run.py         torchrun entry point: torchrun --nproc_per_node N -m edgetrain.distributed.subnet.run
-  selfcheck.py   torchrun-launched checks of the distributed engine (used by the tests)
 
 Modules are imported on their own; nothing is imported here.
 """

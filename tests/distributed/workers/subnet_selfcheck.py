@@ -1,6 +1,6 @@
 """Checks of the distributed engine, launched with torchrun (the multi-process tests run this):
 
-    torchrun --nproc_per_node 4 -m edgetrain.distributed.subnet.selfcheck --overlap 2 --json out.json
+    PYTHONPATH=tests/distributed/workers torchrun --nproc_per_node 4 -m subnet_selfcheck --overlap 2 --json out.json
 
 For each masking kind, on every rank:
   sync        after every one of `--steps` training steps, every shared parameter entry is identical
@@ -179,7 +179,7 @@ def check_ddp_parity(steps: int, batch_size: int, width: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m edgetrain.distributed.subnet.selfcheck")
+    parser = argparse.ArgumentParser(prog="python -m subnet_selfcheck")
     parser.add_argument("--overlap", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
