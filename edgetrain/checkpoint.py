@@ -407,7 +407,7 @@ def load_latest_good(directory: str | Path, warn: Callable[[str], object] = prin
         except CorruptCheckpointError as exc:
             reason = str(exc) if str(path) in str(exc) else f"{path}: {exc}"
             problems.append(reason)
-            warn(f"edgetrain: skipping {reason}; trying the previous checkpoint")
+            warn(f"skipping {reason}; trying the previous checkpoint")
             continue
         return path, tensors, metadata
     raise CorruptCheckpointError("every checkpoint in " f"{directory} is damaged: " + "; ".join(problems))

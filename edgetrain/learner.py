@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -33,15 +32,19 @@ from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensor
 from edgetrain.data.batch import Batch
 from edgetrain.data.fingerprint import check_same_data
 from edgetrain.data.validate import batch_expectations, validate_batch
+from edgetrain.logs import get_logger
 from edgetrain.losses import task_loss
 from edgetrain.finite_steps import FiniteOptimizerSteps
 from edgetrain.memory_estimate import first_slice_over_budget
 from edgetrain.memory_sizes import parse_bytes
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
+from edgetrain.progress import progress_bar
 from edgetrain.probes.base import observing_context, settle_memory
 from edgetrain.registry import EdgetrainError
 from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
+
+log = get_logger(__name__)
 
 CHECKPOINT_FORMAT = "edgetrain-learner-1"
 __all__ = ["Learner", "MemoryBudgetError", "StepStats", "TrainingError", "parse_bytes"]
@@ -96,8 +99,7 @@ def _resolve_probe(probe: Any, backend: str):
         probe = PROBES.get(probe or default_probe_name(backend))()
     ok, reason = probe.available()
     if not ok:
-        print(f"edgetrain: memory probe {probe.name!r} unavailable ({reason}); peak memory not reported",
-              file=sys.stderr)
+        log.warning("memory probe %r unavailable (%s); peak memory not reported", probe.name, reason)
         return None
     if probe.name == "linux":
         from edgetrain.probes import fix_malloc_mmap_threshold
@@ -159,8 +161,7 @@ class Learner:
 
             # Without an OS probe, tensor accounting still sees every tensor torch allocates (not the
             # allocator's slack); good enough to refuse a step that cannot fit.
-            print("edgetrain: measuring the first step against the memory budget by tensor accounting",
-                  file=sys.stderr)
+            log.warning("measuring the first step against the memory budget by tensor accounting")
             self._budget_probe = TensorAccountant(self.model)
         self._step_probe = self.probe
         self.steps_done = 0
@@ -289,8 +290,8 @@ class Learner:
             if not candidates:
                 raise MemoryBudgetError(self._budget_message(batch, self._budget_probe.name, tried))
             self._use_method(candidates[0])
-            print(f"edgetrain: {tried[-1]} is over the {self.memory_budget / 2**20:,.1f} MiB budget; "
-                  f"falling back to {self.method_name}", file=sys.stderr)
+            log.warning("%s is over the %s MiB budget; falling back to %s", tried[-1],
+                        f"{self.memory_budget / 2**20:,.1f}", self.method_name)
             self._budget_checked = False
 
     def _measure_undone_step(self, batch: Batch) -> int | None:
@@ -415,7 +416,7 @@ class Learner:
         if not rotating_checkpoint_paths(directory):
             return None
         # A checkpoint whose state cannot be restored (CorruptCheckpointError) is skipped like a damaged file.
-        path, _, _ = load_latest_good(directory, warn=lambda m: print(m, file=sys.stderr),
+        path, _, _ = load_latest_good(directory, warn=log.warning,
                                       restore=lambda p, tensors, metadata: self._restore(tensors, metadata, str(p)))
         return path
 
@@ -482,15 +483,19 @@ class Learner:
     def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
             eval_batches: Callable[[], Iterable[Batch]] | None = None, checkpoint_every: int = 0,
             checkpoint_dir: str | Path | None = None, callbacks: Iterable[Callable] = (),
-            progress: bool = True, log_every: int = 10, allow_data_change: bool = False) -> list[StepStats]:
+            progress: bool = False, log_every: int = 10, allow_data_change: bool = False) -> list[StepStats]:
         """Drive `stream` until `max_steps` steps are done in total (resumed steps count).
 
         Every `checkpoint_every` steps the learner is written atomically to `checkpoint_dir`;
         every `eval_every` steps `eval_batches()` is evaluated. Callbacks get (learner, stats).
         After a resume, a stream that feeds other data than the checkpoint was trained on is refused
-        (DataChangedError) unless `allow_data_change` (then training goes on with the new data)."""
+        (DataChangedError) unless `allow_data_change` (then training goes on with the new data).
+        Every `log_every` steps a progress line goes to the "edgetrain" logger at INFO; `progress` adds a
+        bar on an interactive terminal."""
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
             raise EdgetrainError(f"fit: checkpoint_every must be a whole number of steps >= 0, got {checkpoint_every!r}")
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+            raise EdgetrainError(f"fit: log_every must be a whole number of steps >= 0, got {log_every!r}")
         if checkpoint_every and checkpoint_dir is None:
             raise EdgetrainError("fit: checkpoint_every needs a checkpoint_dir")
         if checkpoint_dir is not None and not checkpoint_every:
@@ -509,24 +514,26 @@ class Learner:
             self.data_fingerprint = fingerprint
         history: list[StepStats] = []
         iterator: Iterator[Batch] = iter(stream)
-        while self.steps_done < max_steps:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            stats = self.step(batch)
-            history.append(stats)
-            for callback in callbacks:
-                callback(self, stats)
-            if progress and (stats.step % log_every == 0 or stats.step == max_steps):
-                print(format_progress(stats, max_steps), file=sys.stderr, flush=True)
-            if eval_every and stats.step % eval_every == 0:
-                metrics = self.evaluate(eval_batches())
-                if progress:
-                    print(f"  eval at step {stats.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
-                          file=sys.stderr, flush=True)
-            if checkpoint_every and stats.step % checkpoint_every == 0:
-                self.save_rotating(checkpoint_dir)
+        with progress_bar(max_steps, initial=min(self.steps_done, max_steps), description=f"fit {self.method_name}",
+                          enabled=progress) as bar:
+            while self.steps_done < max_steps:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    break
+                stats = self.step(batch)
+                history.append(stats)
+                bar.update()
+                bar.set_postfix_str(f"loss {stats.loss:.4f}", refresh=False)
+                for callback in callbacks:
+                    callback(self, stats)
+                if log_every and (stats.step % log_every == 0 or stats.step == max_steps):
+                    log.info(format_progress(stats, max_steps))
+                if eval_every and stats.step % eval_every == 0:
+                    metrics = self.evaluate(eval_batches())
+                    log.info("eval at step %d: %s", stats.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+                if checkpoint_every and stats.step % checkpoint_every == 0:
+                    self.save_rotating(checkpoint_dir)
         return history
 
 

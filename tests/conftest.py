@@ -1,11 +1,24 @@
 """Shared fixtures: real English text batches (Python's own pydoc topics) and small models."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import edgetrain
 from testkit import random_lora_b, text_token_batches
+
+
+@pytest.fixture(autouse=True)
+def edgetrain_logger_as_found():
+    """The CLI configures the "edgetrain" logger (a stderr handler, a level) in-process; put it back after
+    each test so that no test sees another's configuration."""
+    logger = logging.getLogger("edgetrain")
+    handlers, level = list(logger.handlers), logger.level
+    yield logger
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def test_adam_state_survives_checkpoint(tmp_path, tiny_lora, text_batches):
     assert all(torch.equal(_weights(first)[k], v) for k, v in _weights(second).items())
 
 
-def test_fit_checkpoints_and_resume_skips_damaged(tmp_path, tiny_lora, text_batches, capsys):
+def test_fit_checkpoints_and_resume_skips_damaged(tmp_path, tiny_lora, text_batches, caplog):
     batches = text_batches(6)
     learner = edgetrain.Learner(tiny_lora(), method="bp", probe=False)
     learner.fit(batches, max_steps=6, checkpoint_every=2, checkpoint_dir=tmp_path, progress=False)
@@ -123,7 +123,7 @@ def test_fit_checkpoints_and_resume_skips_damaged(tmp_path, tiny_lora, text_batc
     fresh = edgetrain.Learner(tiny_lora(), method="bp", probe=False)
     assert fresh.resume(tmp_path).name == kept[0]
     assert fresh.steps_done == 4
-    assert "step-00000006" in capsys.readouterr().err
+    assert "step-00000006" in caplog.text  # said through the edgetrain logger
 
 
 def test_evaluate_lm_metrics(tiny_lora, text_batches):
@@ -233,13 +233,13 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
-def test_memory_budget_without_os_probe_uses_tensor_accounting(tiny_lora, text_batches, monkeypatch, capsys):
+def test_memory_budget_without_os_probe_uses_tensor_accounting(tiny_lora, text_batches, monkeypatch, caplog):
     from edgetrain.probes import PROBES, default_probe_name
 
     unavailable = type("Broken", (), {"name": "linux", "available": lambda self: (False, "no /proc here")})
     monkeypatch.setitem(PROBES._entries, default_probe_name("torch-cpu"), unavailable)
     learner = edgetrain.Learner(tiny_lora(), method="bp", memory_budget="1MiB")
-    assert "tensor accounting" in capsys.readouterr().err
+    assert "tensor accounting" in caplog.text
     from edgetrain.learner import MemoryBudgetError
 
     with pytest.raises(MemoryBudgetError, match="measured by the tensors probe"):

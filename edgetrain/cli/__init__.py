@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         module.build_parser(subparsers[name])
         subparsers[name].add_argument("--config", default=None, metavar="RUN.toml",
                                       help="this command's flags as a TOML table (flags given here win)")
+        subparsers[name].add_argument("-q", "--quiet", action="store_true",
+                                      help="no progress bar or progress lines; warnings and errors only")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
             args = apply_config(parser, subparsers[args.command], argv,
                                 read_config(args.config, subparsers[args.command]))
+        from edgetrain.logs import configure_cli_logging
+
+        configure_cli_logging(quiet=args.quiet)
         return importlib.import_module(f"edgetrain.cli.{SUBCOMMANDS[args.command]}").main(args)
     except EdgetrainError as exc:
         print(f"edgetrain {args.command}: error: {exc}", file=sys.stderr)

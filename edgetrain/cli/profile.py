@@ -8,7 +8,6 @@ batch and weights.
 from __future__ import annotations
 
 import argparse
-import sys
 
 # The first method is the ratio reference. mesp needs a LoRA decoder; the forward-gradient methods
 # train every weight of small vision/text classifiers.
@@ -87,21 +86,26 @@ def main(args: argparse.Namespace) -> int:
         from edgetrain.targets import load_target
 
         target = load_target(args.target)
+    from edgetrain.logs import get_logger
+    from edgetrain.progress import progress_bar
+
+    log = get_logger(__name__)
     records = []
-    for index, method in enumerate(methods, start=1):
-        print(f"edgetrain profile: [{index}/{len(methods)}] {method} on {args.model}", file=sys.stderr, flush=True)
-        config = ProfileConfig(model=args.model, method=method, backend=args.backend, seq=args.seq,
-                               batch=args.batch, rank=args.rank, steps=args.steps, dtype=args.dtype,
-                               layers=args.layers, fidelity=not args.no_fidelity,
-                               quantize_bits=args.quantize_bits)
-        records.append(run_isolated(config, on_progress=lambda line: print("    " + line, file=sys.stderr,
-                                                                               flush=True)))
+    with progress_bar(len(methods), description="profile", unit="method", enabled=not args.quiet) as bar:
+        for index, method in enumerate(methods, start=1):
+            log.info("[%d/%d] %s on %s", index, len(methods), method, args.model)
+            config = ProfileConfig(model=args.model, method=method, backend=args.backend, seq=args.seq,
+                                   batch=args.batch, rank=args.rank, steps=args.steps, dtype=args.dtype,
+                                   layers=args.layers, fidelity=not args.no_fidelity,
+                                   quantize_bits=args.quantize_bits)
+            records.append(run_isolated(config, on_progress=lambda line: log.info("    %s", line)))
+            bar.update()
     print(format_table(records))
     if target is not None:
         for line in target.budget_warnings(records):
             print(line)
     if args.json:
-        print(f"wrote {write_json(records, args.json)}", file=sys.stderr)
+        log.info("wrote %s", write_json(records, args.json))
     if args.plot:
-        print(f"wrote {write_plot(records, args.plot)}", file=sys.stderr)
+        log.info("wrote %s", write_plot(records, args.plot))
     return 0

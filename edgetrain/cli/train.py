@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Callable
 
 
@@ -39,7 +38,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="resume a checkpoint on other data than it was trained on (refused otherwise)")
     parser.add_argument("--log-jsonl", default=None, metavar="FILE",
                         help="append one JSON line of step statistics per step (a resumed run goes on appending)")
-    parser.add_argument("--quiet", action="store_true")
     return parser
 
 
@@ -116,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
     import edgetrain
     from edgetrain.backends import get_backend
     from edgetrain.data import make_stream
+    from edgetrain.logs import get_logger
 
     torch.manual_seed(args.seed)
     backend = get_backend(args.backend)
@@ -133,8 +132,8 @@ def main(args: argparse.Namespace) -> int:
                                 memory_budget=args.memory_budget, target=args.target)
     if args.checkpoint_dir:
         resumed = learner.resume(args.checkpoint_dir)
-        if resumed is not None and not args.quiet:
-            print(f"resumed from {resumed} (step {learner.steps_done})", file=sys.stderr)
+        if resumed is not None:
+            get_logger(__name__).info("resumed from %s (step %d)", resumed, learner.steps_done)
     stream = make_stream(args.data, start_index=learner.stream_position, **stream_options)
     learner.fit(stream, max_steps=args.steps, checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
                 checkpoint_dir=args.checkpoint_dir, progress=not args.quiet,

@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                   "stages": [{"stage": s.stage, "name": s.name, "steps": s.steps, "mean_loss": s.mean_loss}
                              for s in result.stages]}
         atomic_write_json(report, out.with_suffix(".json"))
-    print(f"rank {rank}/{world}: {result.steps} steps in {result.seconds:.1f} s", file=sys.stderr)
+    from edgetrain.logs import configure_cli_logging, get_logger
+
+    configure_cli_logging()
+    get_logger(__name__).info("rank %d/%d: %d steps in %.1f s", rank, world, result.steps, result.seconds)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -17,7 +17,6 @@ cuts each global batch to this rank's rows and `configure` installs the DDP hook
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +26,12 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
+from edgetrain.logs import get_logger
 from edgetrain.losses import task_loss
+from edgetrain.progress import progress_bar
 from edgetrain.registry import EdgetrainError
+
+log = get_logger(__name__)
 
 STAGED_METHODS = ("segprop", "lw")
 
@@ -112,8 +115,8 @@ def run_schedule(model: nn.Module, stream: Any, method: str = "segprop", *, epoc
         method_options["steps_per_stage"] = steps_per_stage
         if method_options.get("snapcheck") and method_options.get("snapcheck_period") is None:
             if getattr(stream, "shuffle", True) or per_epoch is None:
-                print("edgetrain: SnapCheck on a shuffled stream: batch ids never see the same batch twice, "
-                      "so the cache only costs memory (use shuffle=False or snapcheck_period)", file=sys.stderr)
+                log.warning("SnapCheck on a shuffled stream: batch ids never see the same batch twice, so the cache "
+                            "only costs memory (use shuffle=False or snapcheck_period)")
             else:
                 method_options["snapcheck_period"] = per_epoch
     elif method_options:
@@ -146,33 +149,35 @@ def run_schedule(model: nn.Module, stream: Any, method: str = "segprop", *, epoc
                 report.path_metrics = evaluate_outputs(model, partial_path(trainer, index), evals)
             report.model_metrics = evaluate_outputs(model, _plain_forward(model), evals)
         result.stages.append(report)
-        if progress:
-            extra = "" if report.path_metrics is None else \
-                "  " + ", ".join(f"path {k} {v:.4g}" for k, v in report.path_metrics.items())
-            print(f"{method} stage {index} ({name}): {report.steps} steps, mean loss {report.mean_loss:.4f}"
-                  f"{extra}", file=sys.stderr, flush=True)
+        extra = "" if report.path_metrics is None else \
+            "  " + ", ".join(f"path {k} {v:.4g}" for k, v in report.path_metrics.items())
+        log.info("%s stage %d (%s): %d steps, mean loss %.4f%s", method, index, name, report.steps, report.mean_loss,
+                 extra)
         stage_losses = []
         stage_started = time.perf_counter()
 
     iterator = iter(stream)
-    while learner.steps_done < total_steps:
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            raise EdgetrainError(f"run_schedule: the stream ended after {learner.steps_done} of {total_steps} steps; "
-                                 "give it more epochs (or epochs=None)") from None
-        stage_before = trainer.stage_index if trainer is not None else 0
-        name = trainer.stage.name if trainer is not None else method
-        stats = learner.step(shard(batch) if shard is not None else batch)
-        stage_losses.append(stats.loss)
-        result.losses.append(stats.loss)
-        if checkpoint_dir is not None and checkpoint_every and write_checkpoints \
-                and learner.steps_done % checkpoint_every == 0:
-            learner.save_rotating(checkpoint_dir)
-        if trainer is not None and (trainer.stage_index != stage_before or trainer.finished):
-            close_stage(stage_before, name)
-            if trainer.finished:
-                break
+    with progress_bar(total_steps, initial=min(learner.steps_done, total_steps), description=method,
+                      enabled=progress) as bar:
+        while learner.steps_done < total_steps:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                raise EdgetrainError(f"run_schedule: the stream ended after {learner.steps_done} of {total_steps} "
+                                     "steps; give it more epochs (or epochs=None)") from None
+            stage_before = trainer.stage_index if trainer is not None else 0
+            name = trainer.stage.name if trainer is not None else method
+            stats = learner.step(shard(batch) if shard is not None else batch)
+            bar.update()
+            stage_losses.append(stats.loss)
+            result.losses.append(stats.loss)
+            if checkpoint_dir is not None and checkpoint_every and write_checkpoints \
+                    and learner.steps_done % checkpoint_every == 0:
+                learner.save_rotating(checkpoint_dir)
+            if trainer is not None and (trainer.stage_index != stage_before or trainer.finished):
+                close_stage(stage_before, name)
+                if trainer.finished:
+                    break
     if trainer is None and stage_losses:
         close_stage(0, method)
     result.steps = learner.steps_done

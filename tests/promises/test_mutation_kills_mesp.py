@@ -81,7 +81,7 @@ def max_relative_error(reference: dict[str, torch.Tensor], estimate: dict[str, t
 # -- options and batches -------------------------------------------------------------------------------
 
 def test_documented_defaults():
-    # README: the loss runs in tiles of 256 tokens x 4096 vocabulary rows; the chunk defaults are the
+    # docs/methods/mesp.md: the loss runs in tiles of 256 tokens x 4096 vocabulary rows; the chunk defaults are the
     # measured ones of method.py; nothing is fused or stored unless asked, and a fused step can roll back.
     method = METHODS.get("mesp")(small_decoder())
     assert (method.attention_chunk, method.mlp_chunk, method.loss_chunk) == (64, 256, 256)

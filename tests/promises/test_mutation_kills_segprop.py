@@ -317,7 +317,7 @@ def test_resume_mid_window_continues_the_plateau_tracker_exactly(tmp_path):
 
 
 def test_the_plateau_tracker_compares_mean_window_losses_across_a_resume_with_another_window():
-    """The tracker keeps the best *mean* loss of a window (README: "the mean loss of a window of steps"):
+    """The tracker keeps the best *mean* loss of a window (docs/methods/segprop.md: "the mean loss of a window of steps"):
     resumed with another plateau_window, windows of the new size compare with it as means. One batch at
     lr 0 has the same loss every step, so the first window after the resume is no improvement."""
     batch = feature_batches(1, seed=7)[0]
@@ -407,7 +407,7 @@ def test_the_stage_trains_in_train_mode_even_if_the_model_was_in_eval():
 # -- SnapCheck --------------------------------------------------------------------------------------------
 
 def test_snapcheck_builds_a_new_stage_prefix_from_the_previous_stage_entries():
-    """README: "At a stage change, the new, deeper prefix is built from the cached shallower entry by
+    """docs/methods/segprop.md: "At a stage change, the new, deeper prefix is built from the cached shallower entry by
     running only the newly committed units": in stage 2 (prefix blocks.0, blocks.1) the batches cached at
     depth 1 in stage 1 run blocks.1 only, never blocks.0; the weights equal those without SnapCheck."""
     batches = feature_batches(2)

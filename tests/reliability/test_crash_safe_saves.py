@@ -666,7 +666,7 @@ def _state_without(*keys: str) -> Callable[[Path], None]:
     # Found only after the weights were already copied in: the fallback must overwrite them.
     pytest.param(_state_without("optimizer", "scalars"), id="optimizer-key-missing"),
 ])
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(damage, tmp_path, capsys):
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(damage, tmp_path, caplog):
     newest = _rotating_pair(tmp_path)
     damage(newest)
     learner = _learner(2)
@@ -674,7 +674,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(damage, tmp_path, ca
     assert learner.steps_done == 1
     reference = _learner(0)
     assert all(torch.equal(learner.params[name], reference.params[name]) for name in reference.params)
-    warning = capsys.readouterr().err
+    warning = caplog.text
     assert "skipping" in warning and str(newest) in warning and "trying the previous checkpoint" in warning
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
 import time
 from typing import Any, Iterable
 
@@ -32,11 +31,13 @@ from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
 from edgetrain.learner import (FALLBACK_ORDER, Learner, MemoryBudgetError, StepStats, _resolve_probe,
                                resolve_memory_budget)
+from edgetrain.logs import get_logger
 from edgetrain.memory_estimate import first_slice_over_budget
 from edgetrain.methods.base import NonFiniteError, TrainingError
 from edgetrain.registry import EdgetrainError
 from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
 
+log = get_logger(__name__)
 CHECKPOINT_FORMAT = "edgetrain-mlx-learner-1"
 
 
@@ -233,8 +234,8 @@ class MLXLearner(Learner):
                                         "sequence or a smaller LoRA rank")
             self.method_name, self.method_options = candidates[0], {}
             self.method = MLX_METHODS.get(self.method_name)(self.model)
-            print(f"edgetrain: {tried[-1]} is over the {self.memory_budget / 2**20:,.1f} MiB budget; "
-                  f"falling back to {self.method_name}", file=sys.stderr)
+            log.warning("%s is over the %s MiB budget; falling back to %s", tried[-1],
+                        f"{self.memory_budget / 2**20:,.1f}", self.method_name)
             self._budget_checked = False
 
     def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, mx.array]]:

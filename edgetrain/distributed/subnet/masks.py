@@ -47,14 +47,8 @@ per-worker load. It starts from the balance-first assignment and hands one block
 non-owner at a time (the block keeps its P owners). load_slack = 0 allows no worker above the
 balance-first heaviest.
 
-Measured on digits (FLOP-matched, one-process simulation, seeds 0-7; README "Subnetwork data
-parallelism"): at N = 8, P = 4 only the last stage's two branches stay apart (a worker holding both
-would carry 0.76 of the model), per-worker load is 0.46-0.54 of the branches, and the unified model
-averaged 98.19% against DP's 98.22% (-1.4 to +1.9 points per seed; one test image is 0.28). At
-N = 4, P = 2 the default also leaves only that pair apart, at 0.32-0.57 of the branches per worker
-(98.89% vs DP 98.77% over seeds 0-4); load_slack 0.1 would leave three pairs apart and cost 2.8
-points. The price of mixing: each worker's own subnetwork is weaker (its blocks were also trained
-alongside blocks it does not hold), 95-97% on digits instead of 98%.
+What this costs and buys in accuracy (digits, several seeds, N = 4 and 8) is measured in
+docs/methods/subnet-dp.md ("Block owners under a memory cap").
 """
 from __future__ import annotations
 

@@ -102,10 +102,12 @@ def model_config_from(args: argparse.Namespace, in_channels: int):
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from edgetrain.distributed.subnet.trainer import SubnetDPConfig, train_ddp_baseline, train_subnet_dp
+    from edgetrain.logs import configure_cli_logging, get_logger
 
+    configure_cli_logging()
+    log = get_logger(__name__)
     if "RANK" not in os.environ:
-        print("edgetrain: run this under torchrun, e.g. torchrun --nproc_per_node 4 -m "
-              "edgetrain.distributed.subnet.run ...", file=sys.stderr)
+        log.error("run this under torchrun, e.g. torchrun --nproc_per_node 4 -m edgetrain.distributed.subnet.run ...")
         return 2
     probe = None
     if args.memory and args.device == "cpu":
@@ -115,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         probe = LinuxProbe()
         ok, why = probe.available()
         if not ok:
-            print(f"edgetrain: linux probe unavailable ({why}); falling back to no measured memory", file=sys.stderr)
+            log.warning("linux probe unavailable (%s); falling back to no measured memory", why)
             probe = None
     device = "cpu"
     if args.device == "cuda":

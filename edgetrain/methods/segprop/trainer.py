@@ -19,7 +19,6 @@ the active segment and the head; the base weights stay frozen).
 from __future__ import annotations
 
 import math
-import sys
 from functools import partial
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
@@ -28,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from edgetrain.data.batch import Batch
+from edgetrain.logs import get_logger
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import NonFiniteError, require_finite
 from edgetrain.methods.segprop.adapters import AuxiliaryClassifier, make_adapter, model_norm_groups
@@ -36,6 +36,7 @@ from edgetrain.methods.segprop.snapcheck import SnapCheck, input_fingerprint
 from edgetrain.methods.segprop.views import UnitView, probe_activation_bytes, probe_specs, unit_view
 from edgetrain.registry import EdgetrainError
 
+log = get_logger(__name__)
 ADAPTERS_ATTRIBUTE = "stage_adapters"
 LR_SCHEDULES = ("constant", "cosine")
 BALANCES = ("blocks", "memory")
@@ -231,8 +232,8 @@ class StagedTrainer:
         if snapcheck:
             shared = self._prefix_shares_head_parameters()
             if shared:
-                print(f"edgetrain: {name}: SnapCheck is off: the frozen prefix shares {shared} with the trainable "
-                      "head (tied embeddings), so its outputs change every step", file=sys.stderr)
+                log.warning("%s: SnapCheck is off: the frozen prefix shares %s with the trainable head (tied "
+                            "embeddings), so its outputs change every step", name, shared)
             else:
                 budget = _parse_optional_bytes(snapcheck_budget)
                 self.snapcheck = SnapCheck(2**62 if budget is None else budget, spill_dir=snapcheck_spill,
