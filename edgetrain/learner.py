@@ -17,7 +17,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -101,16 +101,15 @@ def _resolve_probe(probe: Any, backend: str):
     if not ok:
         log.warning("memory probe %r unavailable (%s); peak memory not reported", probe.name, reason)
         return None
-    if probe.name == "linux":
-        from edgetrain.probes import fix_malloc_mmap_threshold
-
-        # Otherwise glibc keeps freed blocks of up to 32 MiB resident and reuses them, so every step
-        # after the first reports a peak near zero. Costs a page fault per large allocation.
-        fix_malloc_mmap_threshold()
+    prepare = getattr(probe, "prepare_process", None)
+    if callable(prepare):
+        prepare()  # what the probe needs of this process before the model is measured (LinuxProbe)
     return probe
 
 
 class Learner:
+    framework: ClassVar[str] = "torch"  # the models it drives: its backend's framework must be this
+
     def __new__(cls, *args: Any, **kwargs: Any) -> "Learner":
         # Learner(model, backend="mlx", ...) is the learner its backend names (MLXLearner: same interface,
         # MLX models).
@@ -132,9 +131,9 @@ class Learner:
         self.backend = get_backend(backend)
         lr = check_learning_rate(lr)
         self.lr_schedule = LRSchedule.make(lr_schedule, schedule_options)
-        if self.backend.framework != "torch":
+        if self.backend.framework != self.framework:
             raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; "
-                                 "this Learner drives torch models")
+                                 f"{type(self).__name__} drives {self.framework} models")
         if seed is not None:
             torch.manual_seed(seed)
         self.model = model.to(self.backend.device)

@@ -1,5 +1,6 @@
 """The package's shape: no import cycle inside edgetrain/, counting imports made inside functions too (a
-lazy import only hides a cycle until the redesign moves the code around it)."""
+lazy import only hides a cycle until the redesign moves the code around it); no branching on a backend,
+framework or probe by name outside the registries that define them."""
 from __future__ import annotations
 
 import ast
@@ -116,3 +117,45 @@ def test_no_import_cycle_inside_edgetrain_even_through_imports_inside_functions(
 def test_the_cycle_finder_finds_a_cycle_through_three_modules_and_ignores_a_chain():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+# Where backends, frameworks and probes are defined and registered: the only code that may name them.
+REGISTRY_CODE = ("edgetrain/backends/", "edgetrain/probes/")
+
+
+def _dispatch_names() -> set[str]:
+    from edgetrain.backends import BACKENDS
+    from edgetrain.backends.base import BACKEND_ALIASES
+    from edgetrain.probes import PROBES
+
+    entries = [BACKENDS.get(name) for name in BACKENDS.names()]
+    # "cuda" is a probe and also a torch device type: `tensor.device.type == "cuda"` asks torch, not a registry.
+    torch_device_types = {"cpu", "cuda", "mps", "meta"}
+    return ({entry.name for entry in entries} | {entry.framework for entry in entries} | set(BACKEND_ALIASES)
+            | (set(PROBES.names()) - torch_device_types))
+
+
+def string_dispatch(path: Path, names: set[str]) -> list[str]:
+    """`x == "mlx"`, `framework != "torch"`, `name in ("linux", ...)` and dict literals keyed by such names:
+    code that branches on a backend, framework or probe by name instead of asking its registry entry."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        constants: list[ast.AST] = []
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                constants.extend(operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand])
+        elif isinstance(node, ast.Dict):
+            constants = [key for key in node.keys if key is not None]
+        hits = [c.value for c in constants if isinstance(c, ast.Constant) and c.value in names]
+        if hits:
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_no_dispatch_on_backend_framework_or_probe_names_outside_the_registries():
+    names = _dispatch_names()
+    assert {"torch-cpu", "mlx", "torch", "linux"} <= names
+    offenders = [hit for path in sorted(PACKAGE.rglob("*.py"))
+                 if not path.relative_to(PACKAGE.parent).as_posix().startswith(REGISTRY_CODE)
+                 for hit in string_dispatch(path, names)]
+    assert offenders == [], "ask the registry entry (Backend fields, probe methods) instead:\n" + "\n".join(offenders)

@@ -19,17 +19,32 @@ class Backend:
     synchronize: Callable[[], None]     # wait for queued device work (timing must not stop early)
     availability: Callable[[], tuple[bool, str]]
     probe: Callable[[], str]            # the name of the memory probe that reads what this backend uses
-    # The learner that drives this framework's models and the function that loads a model for it
-    # (name_or_path, dtype, device) -> model, as "module:attribute": imported only when used, so that
-    # registering a backend never imports its framework.
-    learner: str = "edgetrain.learner:Learner"
-    loader: str = "edgetrain.models:load_torch_model"
+    # What differs by framework, as "module:attribute": imported only when used, so that registering a
+    # backend never imports its framework. Callers ask the entry; nothing else compares backend names.
+    learner: str = "edgetrain.learner:Learner"          # the learner that drives this framework's models
+    loader: str = "edgetrain.models:load_torch_model"   # (name_or_path, dtype, device) -> model
+    methods: str = "edgetrain.methods:METHODS"          # the registry of methods this framework runs
+    profiler: str = "edgetrain.profiler.worker:profile_torch_method"  # ProfileConfig -> record
+    add_lora: str = "edgetrain.models.lora:add_lora"    # (model, rank=..., ...) -> model with LoRA
+    save_adapter: str = "edgetrain.models.lora:save_lora"  # (model, path): write the LoRA adapter
+    adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
+    quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
 
     def learner_class(self) -> type:
         return _resolve(self.learner)
 
     def load_model(self, name_or_path: Any, dtype: Any, device: Any) -> Any:
         return _resolve(self.loader)(name_or_path, dtype=dtype, device=device)
+
+    def method_registry(self) -> Any:
+        return _resolve(self.methods)
+
+    def profile_method(self, config: Any) -> dict[str, Any]:
+        return _resolve(self.profiler)(config)
+
+    def adapter_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """(add_lora, save_adapter) for this framework's models."""
+        return _resolve(self.add_lora), _resolve(self.save_adapter)
 
     def require(self) -> "Backend":
         ok, reason = self.availability()
@@ -41,6 +56,7 @@ class Backend:
 BACKENDS: Registry[Backend] = Registry("backend")
 # Names that mean a backend: "torch" is torch on the CPU unless a device says otherwise.
 BACKEND_ALIASES = {"torch": "torch-cpu"}
+DEFAULT_BACKEND = "torch-cpu"  # what runs everywhere: the learner's and the CLI's default
 
 
 def _resolve(path: str) -> Any:

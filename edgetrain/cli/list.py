@@ -14,14 +14,17 @@ from typing import Callable
 
 
 def _methods() -> list[tuple[str, str]]:
-    from edgetrain.methods import METHODS
+    from edgetrain.backends import BACKENDS
+    from edgetrain.backends.base import DEFAULT_BACKEND
 
-    frameworks: dict[str, list[str]] = {name: ["torch"] for name in METHODS.names()}
-    if importlib.util.find_spec("mlx") is not None:
-        from edgetrain.backends.mlx.methods import MLX_METHODS
-
-        for name in MLX_METHODS.names():
-            frameworks.setdefault(name, []).append("mlx")
+    frameworks: dict[str, list[str]] = {}
+    default_first = sorted(BACKENDS.names(), key=lambda name: name != DEFAULT_BACKEND)
+    for backend in (BACKENDS.get(name) for name in default_first):
+        if not backend.availability()[0]:
+            continue  # its method registry may need the framework itself (mlx)
+        for name in backend.method_registry().names():
+            if backend.framework not in frameworks.setdefault(name, []):
+                frameworks[name].append(backend.framework)
     return [(name, ", ".join(kinds)) for name, kinds in sorted(frameworks.items())]
 
 

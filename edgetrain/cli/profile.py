@@ -58,7 +58,6 @@ def _check_positive(name: str, value: int | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from edgetrain.methods import METHODS
     from edgetrain.models import parse_dtype
     from edgetrain.profiler.config import ProfileConfig
     from edgetrain.profiler.report import format_table, write_json, write_plot
@@ -67,20 +66,22 @@ def main(args: argparse.Namespace) -> int:
     for name in ("seq", "batch", "rank", "steps", "layers"):
         _check_positive(name, getattr(args, name))
     parse_dtype(args.dtype)
-    from edgetrain.backends import get_backend
+    from edgetrain.backends import BACKENDS, get_backend
 
-    if get_backend(args.backend).framework == "mlx":
-        from edgetrain.backends.mlx.methods import MLX_METHODS as METHODS  # noqa: N811
-    elif args.quantize_bits is not None:
+    backend = get_backend(args.backend)
+    methods_here = backend.method_registry()
+    if args.quantize_bits is not None and not backend.quantized_base:
         from edgetrain.registry import EdgetrainError
 
-        raise EdgetrainError("--quantize-bits is for the mlx backend")
+        able = [name for name in BACKENDS.names() if BACKENDS.get(name).quantized_base]
+        raise EdgetrainError(f"--quantize-bits is for a backend that holds the base quantised ({', '.join(able)}); "
+                             f"{args.backend!r} does not")
     if args.methods is None:
-        methods = [m for m in DEFAULT_METHODS[model_task(args.model)].split(",") if m in METHODS]
+        methods = [m for m in DEFAULT_METHODS[model_task(args.model)].split(",") if m in methods_here]
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         for method in methods:
-            METHODS.get(method)  # unknown names fail here, listing the known ones
+            methods_here.get(method)  # unknown names fail here, listing the known ones
     target = None
     if args.target:
         from edgetrain.targets import load_target

@@ -71,25 +71,7 @@ def _method_options(pairs: list[str]) -> dict:
     return options
 
 
-def _torch_adapters() -> tuple[Callable, Callable]:
-    import edgetrain
-
-    return edgetrain.add_lora, edgetrain.save_lora
-
-
-def _mlx_adapters() -> tuple[Callable, Callable]:
-    from edgetrain.backends.mlx.adapters import save_mlx_lm_adapters
-    from edgetrain.backends.mlx.lora import add_lora
-
-    return add_lora, save_mlx_lm_adapters
-
-
-# (add_lora, save_adapter) of each framework: the models of one framework cannot take the other's adapters.
-ADAPTER_FUNCTIONS: dict[str, Callable[[], tuple[Callable, Callable]]] = {"torch": _torch_adapters,
-                                                                        "mlx": _mlx_adapters}
-
-
-def _check_outputs(args: argparse.Namespace, framework: str) -> None:
+def _check_outputs(args: argparse.Namespace, backend) -> None:
     """Refuse, before any work, a run whose checkpoints or adapter could not be written."""
     from edgetrain.checkpoint import ensure_writable_directory, ensure_writable_target
     from edgetrain.registry import EdgetrainError
@@ -101,7 +83,7 @@ def _check_outputs(args: argparse.Namespace, framework: str) -> None:
         ensure_writable_directory(args.checkpoint_dir, "--checkpoint-dir")
     if args.save_adapter is not None:
         # torch writes one .safetensors file; MLX an mlx-lm adapter directory.
-        ensure_writable_target(args.save_adapter, "--save-adapter", directory=framework == "mlx")
+        ensure_writable_target(args.save_adapter, "--save-adapter", directory=backend.adapter_is_directory)
     if args.log_jsonl is not None:
         log = ensure_writable_target(args.log_jsonl, "--log-jsonl")
         if log.exists() and not os.access(log, os.W_OK):
@@ -118,8 +100,8 @@ def main(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     backend = get_backend(args.backend)
-    _check_outputs(args, backend.framework)
-    add_lora, save_adapter = ADAPTER_FUNCTIONS[backend.framework]()
+    _check_outputs(args, backend)
+    add_lora, save_adapter = backend.adapter_functions()
     model = edgetrain.load_model(args.model, backend=args.backend)
     stream_options = {"batch_size": args.batch, "seed": args.seed}
     if getattr(model, "task", None) == "lm":

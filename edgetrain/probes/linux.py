@@ -91,6 +91,14 @@ class LinuxProbe:
         else:
             self.proc_dir = Path("/proc") / ("self" if pid is None else str(pid))
 
+    def prepare_process(self) -> None:
+        """Pin glibc's mmap threshold: otherwise glibc keeps freed blocks of up to 32 MiB resident and
+        reuses them, so every step after the first reports a peak near zero. Costs a page fault per large
+        allocation; call it before the model and data are built."""
+        from edgetrain.probes.glibc import fix_malloc_mmap_threshold
+
+        fix_malloc_mmap_threshold()
+
     def available(self) -> tuple[bool, str]:
         if not sys.platform.startswith("linux"):
             return False, f"requires Linux /proc (this is {sys.platform})"

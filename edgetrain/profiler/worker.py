@@ -62,12 +62,13 @@ def gradient_fidelity(model, method: str, batch, options: dict[str, Any]) -> dic
 
 
 def profile_method(config) -> dict[str, Any]:
+    """Profile one method as config says, with the profiler of config.backend's framework."""
     from edgetrain.backends import get_backend
 
-    if get_backend(config.backend).framework == "mlx":
-        from edgetrain.backends.mlx.profile import profile_method_mlx
+    return get_backend(config.backend).profile_method(config)
 
-        return profile_method_mlx(config)
+
+def profile_torch_method(config) -> dict[str, Any]:
     import torch
 
     import edgetrain

@@ -86,6 +86,8 @@ class MLXLearner(Learner):
     checkpoint holds (`_checkpoint_payload` / `_restore`) are MLX's own; the stream loop (`fit`) and the
     checkpoint files (`save`, `load`, `save_rotating`, `resume`) are Learner's, through those hooks."""
 
+    framework = "mlx"
+
     def __init__(self, model: nn.Module, method: str = "bp", backend: str = "mlx",
                  optimizer: str | Any = "sgd", lr: float = 1e-3, *,
                  optimizer_options: dict[str, Any] | None = None, method_options: dict[str, Any] | None = None,
@@ -95,7 +97,7 @@ class MLXLearner(Learner):
         from edgetrain.backends.base import BACKENDS
 
         self.backend = BACKENDS.get(backend).require()
-        if self.backend.framework != "mlx":
+        if self.backend.framework != self.framework:
             raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; MLXLearner drives MLX")
         self.seed = seed
         if seed is not None:

@@ -40,6 +40,13 @@ def synchronize() -> None:
 
 
 if "mlx" not in BACKENDS:
-    BACKENDS.add("mlx", Backend(name="mlx", framework="mlx", device=expected_device(), synchronize=synchronize,
-                                availability=mlx_availability, probe=lambda: "mlx",
-                                loader="edgetrain.backends.mlx.loading:load_mlx_for_backend", learner="edgetrain.backends.mlx.learner:MLXLearner"))
+    BACKENDS.add("mlx", Backend(
+        name="mlx", framework="mlx", device=expected_device(), synchronize=synchronize,
+        availability=mlx_availability, probe=lambda: "mlx",
+        learner="edgetrain.backends.mlx.learner:MLXLearner",
+        loader="edgetrain.backends.mlx.loading:load_mlx_for_backend",
+        methods="edgetrain.backends.mlx.methods:MLX_METHODS",
+        profiler="edgetrain.backends.mlx.profile:profile_method_mlx",
+        add_lora="edgetrain.backends.mlx.lora:add_lora",
+        save_adapter="edgetrain.backends.mlx.adapters:save_mlx_lm_adapters",  # an mlx-lm adapter directory
+        adapter_is_directory=True, quantized_base=True))
