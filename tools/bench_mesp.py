@@ -6,10 +6,11 @@
   Table 4: rank 4 / 8 / 16 / 32 on the 0.5B shape
   Table 5: MeSP storing x@A vs recomputing it (0.5B, seq 256, rank 8)
 
-Every cell is one fresh subprocess of `edgetrain profile`'s worker (same code path as the CLI):
+Every measurement is one fresh subprocess of `edgetrain profile`'s worker (same code path as the CLI):
 memory is the training peak above the pre-step baseline (weights excluded) by tensor accounting and
-by the OS probe; time is the median step after a warm-up. Random-init weights (the shapes are what
-matter for memory and time). Usage:
+by the OS probe; time is the median step after the worker's warm-up. The methods of one table column
+are measured in interleaved rounds (edgetrain.profiler.bench; --repeats rounds) and reported as medians
+with their spread and ratios to mebp. Random-init weights (the shapes are what matter). Usage:
 
   .venv/bin/python tools/bench_mesp.py                    # all tables, full depth (slow: tens of minutes)
   .venv/bin/python tools/bench_mesp.py --tables 1 --models qwen2.5-0.5b
@@ -18,14 +19,13 @@ matter for memory and time). Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from edgetrain.profiler.bench import Arm, Column, Summary, format_table, measure_interleaved, summarise  # noqa: E402
 from edgetrain.profiler.config import ProfileConfig  # noqa: E402
 from edgetrain.profiler.runner import run_isolated  # noqa: E402
 
@@ -41,41 +41,31 @@ SPEC_OPTIONS = {"fused": {"fused_update": True}, "lean": {"fused_update": True, 
                 "store": {"store_lora_projection": True}}
 
 
-def cell(model: str, spec: str, seq: int, rank: int, args, **options) -> dict:
-    method, _, variant = spec.partition(":")
-    options = {**SPEC_OPTIONS.get(variant, {}), **options}
-    if variant and variant not in SPEC_OPTIONS:
-        raise SystemExit(f"unknown method variant {spec!r}; known: " + ", ".join(f"mesp:{v}" for v in SPEC_OPTIONS))
-    config = ProfileConfig(model=model, method=method, seq=seq, rank=rank, steps=args.steps,
-                           dtype=args.dtype, layers=args.layers, fidelity=False, method_options=options)
-    print(f"  {model} seq {seq} rank {rank}: {spec} {options or ''} ...", file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    record = run_isolated(config)
-    record["label"] = spec
-    print(f"    {record['peak_bytes_tensors'] / MIB:.1f} MiB tensors, {record['step_seconds']:.2f} s/step "
-          f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-    return record
+COLUMNS = [Column("peak_bytes_tensors", "tensors", MIB, "MiB"), Column("peak_bytes_probe", "probe", MIB, "MiB"),
+           Column("step_seconds", "time", 1.0, "s/step")]
 
 
-def print_table(title: str, columns: list[str], rows: dict[str, dict[str, dict]], reference: str = "mebp") -> None:
-    print(f"\n{title}")
-    header = f"{'method':<24}" + "".join(f"{c:>34}" for c in columns)
-    print(header)
-    print(f"{'':<24}" + "".join(f"{'tensors MiB (x)  probe MiB (x)  time x':>34}" for _ in columns))
-    for label, by_column in rows.items():
-        line = f"{label:<24}"
-        for column in columns:
-            record, ref = by_column.get(column), rows[reference].get(column)
-            if record is None or ref is None:
-                line += f"{'-':>34}"
-                continue
-            tensors = record["peak_bytes_tensors"]
-            probe = record["peak_bytes_probe"] or 0
-            text = (f"{tensors / MIB:8.1f} ({tensors / ref['peak_bytes_tensors']:.2f}x) "
-                    f"{probe / MIB:7.1f} ({probe / max(ref['peak_bytes_probe'] or 1, 1):.2f}x) "
-                    f"{record['step_seconds'] / ref['step_seconds']:5.2f}x")
-            line += f"{text:>34}"
-        print(line)
+def measure_column(title: str, model: str, specs: list[str], seq: int, rank: int, args,
+                   **options) -> dict[str, dict[str, Summary]]:
+    """The methods `specs` on one shape, interleaved over --repeats rounds; prints the column's table."""
+    arms = []
+    for spec in specs:
+        method, _, variant = spec.partition(":")
+        if variant and variant not in SPEC_OPTIONS:
+            raise SystemExit(f"unknown method variant {spec!r}; known: " + ", ".join(f"mesp:{v}" for v in SPEC_OPTIONS))
+        config = ProfileConfig(model=model, method=method, seq=seq, rank=rank, steps=args.steps, dtype=args.dtype,
+                               layers=args.layers, fidelity=False,
+                               method_options={**SPEC_OPTIONS.get(variant, {}), **options.get(spec, {})})
+        arms.append(Arm(spec, lambda config=config: run_isolated(config)))
+    samples = measure_interleaved(arms, repeats=args.repeats, warmup=0, description=title)
+    summaries = {spec: summarise([{c.metric: s.get(c.metric) for c in COLUMNS} for s in taken])
+                 for spec, taken in samples.items()}
+    print("\n" + format_table(title, summaries, specs[0] if "mebp" not in specs else "mebp", COLUMNS))
+    RECORDS.append({"table": title, "model": model, "seq": seq, "rank": rank, "samples": samples})
+    return summaries
+
+
+RECORDS: list[dict] = []
 
 
 def main() -> int:
@@ -88,6 +78,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks of each shape")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds per table column")
     parser.add_argument("--quick", action="store_true", help="2 blocks, 1 step: a smoke run")
     parser.add_argument("--json", default=None, help="write every record here")
     args = parser.parse_args()
@@ -101,43 +92,36 @@ def main() -> int:
           f"{platform.processor() or platform.machine()}, dtype {args.dtype}, "
           f"layers {'all' if args.layers is None else args.layers}, steps {args.steps}; "
           "peaks above the pre-step baseline, weights excluded; ratios to mebp")
-    everything = []
     if "1" in tables:
-        models = [m.strip() for m in args.models.split(",")]
-        rows = {m: {model: cell(model, m, 256, 8, args) for model in models} for m in methods}
-        print_table("Table 1: seq 256, rank 8", models, rows)
-        everything += [r for by in rows.values() for r in by.values()]
-        for model, paper in PAPER_TABLE1_MB.items():
-            if model in models:
-                ours = {m: rows[m][model]["peak_bytes_probe"] / MIB for m in paper if m in rows}
+        for model in (m.strip() for m in args.models.split(",")):
+            column = measure_column(f"Table 1: {model}, seq 256, rank 8", model, methods, 256, 8, args)
+            paper = PAPER_TABLE1_MB.get(model)
+            if paper:
+                ours = {m: column[m]["peak_bytes_probe"].median / MIB for m in paper if m in column}
                 print(f"  paper (MLX, 4-bit, phys_footprint) {model}: "
                       + ", ".join(f"{m} {mb} MB ({mb / paper['mebp']:.2f}x)" for m, mb in paper.items())
                       + " | ours (probe): " + ", ".join(f"{m} {mb:.1f} MiB" for m, mb in ours.items()))
     if "2" in tables:
-        seqs = [128, 256, 512, 1024]
-        rows = {m: {f"seq {s}": cell("qwen2.5-0.5b", m, s, 8, args) for s in seqs} for m in methods}
-        print_table("Table 2: qwen2.5-0.5b, rank 8, by sequence length", [f"seq {s}" for s in seqs], rows)
-        everything += [r for by in rows.values() for r in by.values()]
-        for spec in (m for m in rows if m.startswith("mesp")):
-            growth = rows[spec]["seq 1024"]["peak_bytes_tensors"] / rows[spec]["seq 256"]["peak_bytes_tensors"]
+        by_seq = {seq: measure_column(f"Table 2: qwen2.5-0.5b, rank 8, seq {seq}", "qwen2.5-0.5b", methods, seq, 8,
+                                      args) for seq in (128, 256, 512, 1024)}
+        for spec in (m for m in methods if m.startswith("mesp")):
+            growth = by_seq[1024][spec]["peak_bytes_tensors"].median / by_seq[256][spec]["peak_bytes_tensors"].median
             print(f"  {spec} peak at seq 1024 / seq 256: {growth:.2f}x (target <= 2x; paper 3.8x)")
     if "4" in tables:
-        ranks = [4, 8, 16, 32]
-        rows = {m: {f"rank {r}": cell("qwen2.5-0.5b", m, 256, r, args) for r in ranks} for m in methods}
-        print_table("Table 4: qwen2.5-0.5b, seq 256, by LoRA rank", [f"rank {r}" for r in ranks], rows)
-        everything += [r for by in rows.values() for r in by.values()]
-        for spec in (m for m in rows if m.startswith("mesp")):
-            growth = rows[spec]["rank 32"]["peak_bytes_tensors"] / rows[spec]["rank 4"]["peak_bytes_tensors"]
+        by_rank = {rank: measure_column(f"Table 4: qwen2.5-0.5b, seq 256, rank {rank}", "qwen2.5-0.5b", methods, 256,
+                                        rank, args) for rank in (4, 8, 16, 32)}
+        for spec in (m for m in methods if m.startswith("mesp")):
+            growth = by_rank[32][spec]["peak_bytes_tensors"].median / by_rank[4][spec]["peak_bytes_tensors"].median
             print(f"  {spec} peak growth rank 4 -> 32: {100 * (growth - 1):+.1f}% (target <= +5%; paper +19%)")
     if "5" in tables:
-        rows = {"mebp": {"0.5b": cell("qwen2.5-0.5b", "mebp", 256, 8, args)},
-                "mesp (recompute x@A)": {"0.5b": cell("qwen2.5-0.5b", "mesp:lean", 256, 8, args)},
-                "mesp (store x@A)": {"0.5b": cell("qwen2.5-0.5b", "mesp:store", 256, 8, args, fused_update=True,
-                                                  rollback=False)}}
-        print_table("Table 5: store vs recompute the LoRA projection (0.5b, seq 256, rank 8)", ["0.5b"], rows)
-        everything += [r for by in rows.values() for r in by.values()]
+        # mesp:lean recomputes x@A; mesp:store keeps it (both fused, without the rollback copy).
+        measure_column("Table 5: store vs recompute the LoRA projection (0.5b, seq 256, rank 8)", "qwen2.5-0.5b",
+                       ["mebp", "mesp:lean", "mesp:store"], 256, 8, args,
+                       **{"mesp:store": {"fused_update": True, "rollback": False}})
     if args.json:
-        Path(args.json).write_text(json.dumps(everything, indent=2))
+        from edgetrain.checkpoint import atomic_write_json
+
+        atomic_write_json(RECORDS, args.json)
     return 0
 
 
