@@ -105,8 +105,11 @@ def main(args: argparse.Namespace) -> int:
     model = edgetrain.load_model(args.model, backend=args.backend)
     stream_options = {"batch_size": args.batch, "seed": args.seed}
     if getattr(model, "task", None) == "lm":
+        from edgetrain.data.tokenizer import model_tokenizer
+
         add_lora(model, rank=args.rank)
-        stream_options.update(seq_len=args.seq, vocab_size=model.config.vocab_size)
+        stream_options.update(seq_len=args.seq, vocab_size=model.config.vocab_size,
+                              tokenizer=model_tokenizer(model))
         if args.files:
             stream_options["paths"] = args.files
     learner = edgetrain.Learner(model, method=args.method, backend=args.backend, optimizer=args.optimizer,

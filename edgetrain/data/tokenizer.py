@@ -81,6 +81,30 @@ class HFTokenizer:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def model_tokenizer(model: object) -> Tokenizer:
+    """The tokenizer a model was loaded with (its checkpoint's tokenizer.json, or the GGUF's vocabulary),
+    else the byte tokenizer (presets, and checkpoints that ship none)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    return tokenizer if tokenizer is not None else ByteTokenizer()
+
+
+def attach_tokenizer(model: object, source: Tokenizer | str | Path, vocab_size: int) -> None:
+    """Keep a checkpoint's tokenizer on the model it belongs to (as `model.tokenizer`), after checking that
+    every id it can produce is a row of the model's embedding. `source` is a tokenizer, or a checkpoint
+    directory: its tokenizer.json if it has one (nothing is attached when it has none)."""
+    if isinstance(source, (str, Path)):
+        where = str(source)
+        if not (Path(source) / "tokenizer.json").is_file():
+            return
+        tokenizer: Tokenizer = HFTokenizer(Path(source) / "tokenizer.json")
+    else:
+        where, tokenizer = str(getattr(source, "path", "the tokenizer")), source
+    if tokenizer.vocab_size > vocab_size:
+        raise EdgetrainError(f"{where}: the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary "
+                             f"only {vocab_size}: they do not belong together")
+    object.__setattr__(model, "tokenizer", tokenizer)
+
+
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """The tokenizer for a checkpoint: its directory's tokenizer.json (or that file itself) when
     present, the byte tokenizer when `path` is None or the directory has no tokenizer.json."""

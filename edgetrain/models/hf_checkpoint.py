@@ -136,4 +136,7 @@ def load_checkpoint_dir(directory: str | Path, dtype: torch.dtype = torch.float3
                 raise CheckpointError(f"{path}: tensor {key!r} appears in more than one shard")
             tensors[key] = tensor
     load_weights(model, tensors, str(directory), dtype, key_map=hf_key_to_edgetrain)
+    from edgetrain.data.tokenizer import attach_tokenizer
+
+    attach_tokenizer(model, directory, model.config.vocab_size)  # its tokenizer.json, when it has one
     return model.to(device)

@@ -12,9 +12,13 @@ def build_batch(model, config):
     if getattr(model, "task", None) == "lm":
         from pydoc_data.topics import topics
 
-        text = "".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        from edgetrain.data.tokenizer import model_tokenizer
+
         needed = config.batch * (config.seq + 1)
-        ids = torch.tensor(list((text * (needed // len(text) + 1))[:needed]), dtype=torch.long)
+        # The model's own tokenizer: a checkpoint is profiled on the tokens it would train on.
+        text = "".join(topics[k] for k in sorted(topics))
+        tokens = model_tokenizer(model).encode(text[:needed * 16])  # enough text for `needed` tokens
+        ids = torch.tensor((tokens * (needed // max(len(tokens), 1) + 1))[:needed], dtype=torch.long)
         ids = ids.remainder(model.config.vocab_size).view(config.batch, config.seq + 1)
         return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), 0)
     from edgetrain.models.zoo import example_input

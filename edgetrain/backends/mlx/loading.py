@@ -178,7 +178,10 @@ def load_mlx_model(name_or_path: str | Path, *, dtype: str | mx.Dtype = "float32
     quantize_bits=4 stores the blocks' base projections in 4 bits (group size 64)."""
     path = Path(name_or_path)
     if path.is_dir():
+        from edgetrain.data.tokenizer import attach_tokenizer
+
         model = load_checkpoint_dir(path, dtype)
+        attach_tokenizer(model, path, model.config.vocab_size)  # its tokenizer.json, when it has one
         if layers is not None:
             if not 0 < layers <= len(model.blocks):
                 raise EdgetrainError(f"layers={layers}: the model has {len(model.blocks)} blocks")
