@@ -43,7 +43,9 @@ def test_list_models_targets_probes_and_formats(capsys):
     from edgetrain.models import MODEL_PRESETS
     from edgetrain.targets import available_targets
 
-    assert set(_listing(capsys, "models")) == set(MODEL_PRESETS.names())
+    from edgetrain.models.downloads import DOWNLOADS
+
+    assert set(_listing(capsys, "models")) == set(MODEL_PRESETS.names()) | set(DOWNLOADS.names())
     targets = _listing(capsys, "targets")
     assert set(targets) == set(available_targets()) and "torch-cpu, 8,192 MiB" in targets["cpu"]
     probes = _listing(capsys, "probes")

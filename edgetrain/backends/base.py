@@ -29,6 +29,7 @@ class Backend:
     save_adapter: str = "edgetrain.models.lora:save_lora"  # (model, path): write the LoRA adapter
     adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
     quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
+    loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files
 
     def learner_class(self) -> type:
         return _resolve(self.learner)

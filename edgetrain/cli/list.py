@@ -30,11 +30,15 @@ def _methods() -> list[tuple[str, str]]:
 
 def _models() -> list[tuple[str, str]]:
     from edgetrain.models import MODEL_PRESETS
+    from edgetrain.models.downloads import DOWNLOADS
 
     rows = []
     for name in MODEL_PRESETS.names():
         doc = (getattr(MODEL_PRESETS.get(name), "__doc__", None) or "").strip().splitlines()
         rows.append((name, doc[0] if doc else ""))
+    for name in DOWNLOADS.names():
+        entry = DOWNLOADS.get(name)
+        rows.append((name, f"pretrained, fetched once from the package index: {entry.description}, {entry.license}"))
     return rows
 
 

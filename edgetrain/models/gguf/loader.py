@@ -1,0 +1,131 @@
+"""GGUF file -> LlamaModel with dequantised weights in the requested dtype.
+
+Tensor names are llama.cpp's (`blk.3.attn_q.weight`); they map one to one onto the Hugging Face layout
+the decoder uses. For the llama architecture llama.cpp's converter reorders the rows of Q and K within
+each head (interleaved RoPE pairs instead of rotate-half halves); that is undone here, so a GGUF model
+equals the Hugging Face checkpoint it was converted from.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgetrain.logs import get_logger
+from edgetrain.models.gguf.config import config_from_metadata, metadata_str
+from edgetrain.models.gguf.dequant import DEQUANTIZERS, SUPPORTED_TYPE_NAMES, dequantize
+from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
+from edgetrain.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, gguf_tokenizer
+from edgetrain.models.hf_checkpoint import load_weights
+from edgetrain.models.llama import LlamaConfig, LlamaModel
+
+log = get_logger(__name__)
+
+_GLOBAL_TENSORS = {"token_embd.weight": "embed.embed_tokens.weight", "output_norm.weight": "head.norm.weight",
+                   "output.weight": "head.lm_head.weight"}
+_BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                  "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                  "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj"}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+
+def gguf_name_to_edgetrain(name: str) -> str | None:
+    """The decoder parameter a llama.cpp tensor name stands for; None if it names none."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    match = _BLOCK_NAME.fullmatch(name)
+    if match and match.group(2) in _BLOCK_TENSORS:
+        return f"blocks.{int(match.group(1))}.{_BLOCK_TENSORS[match.group(2)]}.{match.group(3)}"
+    return None
+
+
+def unpermute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's `permute` of a llama Q or K weight (or bias): within each head it
+    moved row pairs (i, i + half) next to each other; this puts the two halves back."""
+    rows = tensor.shape[0]
+    rest = tensor.shape[1:]
+    return tensor.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def _rope_heads(config: LlamaConfig, gguf_name: str) -> int | None:
+    """Heads whose rows to unpermute for this tensor, or None: only llama's Q and K are permuted."""
+    if config.model_type != "llama":
+        return None
+    if ".attn_q." in gguf_name:
+        return config.num_attention_heads
+    if ".attn_k." in gguf_name:
+        return config.num_key_value_heads
+    return None
+
+
+def _plan(gguf: GGUFFile, model: LlamaModel) -> dict[str, tuple[str, TensorInfo]]:
+    """GGUF name -> (parameter name, tensor info), every name, shape and type checked before any data is read."""
+    expected = model.state_dict(keep_vars=True)
+    tied = {"head.lm_head.weight"} if model.config.tie_word_embeddings else set()
+    plan: dict[str, tuple[str, TensorInfo]] = {}
+    for info in gguf.tensors.values():
+        target = gguf_name_to_edgetrain(info.name)
+        if target is None or target not in expected:
+            raise GGUFError(f"{gguf.path}: tensor {info.name!r} does not belong to a "
+                            f"{model.config.num_hidden_layers}-layer {model.config.model_type} decoder")
+        want = tuple(expected[target].shape)
+        if info.shape != want:
+            raise GGUFError(f"{gguf.path}: tensor {info.name!r} has shape {info.shape}, the model described "
+                            f"by the metadata expects {want}")
+        if info.ggml_type not in DEQUANTIZERS:
+            raise GGUFError(f"{gguf.path}: tensor {info.name!r} is stored as {info.type_name}, which edgetrain "
+                            f"cannot dequantise yet; supported: {', '.join(SUPPORTED_TYPE_NAMES)}")
+        plan[info.name] = (target, info)
+    loaded = {target for target, _ in plan.values()}
+    missing = [name for name in expected if name not in loaded and name not in tied]
+    if missing:
+        raise GGUFError(f"{gguf.path}: missing tensor(s) for {', '.join(missing[:5])}"
+                        + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return plan
+
+
+def read_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
+    """One tensor's values as float32 (in the GGUF layout: llama Q/K rows still permuted)."""
+    values = dequantize(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+    if not np.isfinite(values).all():
+        raise GGUFError(f"{gguf.path}: tensor {info.name!r} holds NaN or infinite values")
+    return torch.from_numpy(values)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> LlamaModel:
+    """A llama / qwen2 decoder from a GGUF file, weights dequantised to `dtype` on `device`. The file's
+    byte-level BPE vocabulary, when it has one, becomes `model.tokenizer` (read with model_tokenizer)."""
+    gguf = read_gguf(path)
+    config = config_from_metadata(gguf)
+    with torch.device("meta"):  # no random init: every weight is assigned from the file
+        model = LlamaModel(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for gguf_name, (target, info) in _plan(gguf, model).items():
+        tensor = read_tensor(gguf, info)
+        heads = _rope_heads(config, gguf_name)
+        if heads is not None:
+            tensor = unpermute_rope_rows(tensor, heads)
+        tensors[target] = tensor.to(dtype)
+    load_weights(model, tensors, str(gguf.path), dtype)
+    _attach_tokenizer(gguf, model)
+    return model.to(device)
+
+
+def _attach_tokenizer(gguf: GGUFFile, model: LlamaModel) -> None:
+    """The file's own vocabulary becomes `model.tokenizer`, as a checkpoint's tokenizer.json does. One that
+    cannot be built yet (SentencePiece) leaves the model without one, said in a warning; a damaged one is
+    an error, as a damaged tokenizer.json is."""
+    from edgetrain.data.tokenizer import attach_tokenizer
+
+    if "tokenizer.ggml.model" not in gguf.metadata:
+        return
+    kind = metadata_str(gguf, "tokenizer.ggml.model")
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
+        log.warning("%s: tokenizer.ggml.model %r is not supported yet; the model is loaded without a "
+                    "tokenizer (training text would be byte ids)", gguf.path, kind)
+        return
+    attach_tokenizer(model, gguf_tokenizer(gguf), model.config.vocab_size)

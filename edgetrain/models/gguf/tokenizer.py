@@ -1,0 +1,179 @@
+"""The tokenizer a GGUF file describes in its metadata, built as a `tokenizers` Tokenizer.
+
+Supported: `tokenizer.ggml.model` "gpt2", byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen2): the token
+list, the merges, control tokens (token type 3) kept whole as special tokens and user-defined ones
+(type 4) as added tokens, the pre-tokenizer split chosen by `tokenizer.ggml.pre` -- the same choices
+transformers makes when it reads a GGUF, so both give the same ids. SentencePiece ("llama") vocabularies
+are refused by name for now.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from edgetrain.models.gguf.config import metadata_int, metadata_str
+from edgetrain.models.gguf.reader import GGUFError, GGUFFile, read_gguf
+from edgetrain.registry import EdgetrainError
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)  # tokenizer.ggml.model values this module builds
+
+# Pre-tokenizer splits by `tokenizer.ggml.pre`; any other value gets GPT-2's own split (ByteLevel's regex).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                        "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's bytes -> printable characters map (the spelling of every byte-level BPE token)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+class GGUFTokenizer:
+    """A tokenizer built from GGUF metadata, with the Tokenizer protocol of edgetrain.data (vocab_size,
+    encode, decode) and HFTokenizer's behaviour: no BOS/EOS added, special tokens decoded as text.
+
+    Also carries what the file says about special tokens and chat formatting (ids may be None).
+    load_gguf attaches it to the model it loads (`model.tokenizer`)."""
+
+    def __init__(self, path: Path, backend: Any, special_ids: dict[str, int | None],
+                 chat_template: str | None) -> None:
+        self.path = path
+        self._tokenizer = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = special_ids["bos"]
+        self.eos_token_id = special_ids["eos"]
+        self.unk_token_id = special_ids["unknown"]
+        self.pad_token_id = special_ids["padding"]
+        self.chat_template = chat_template
+
+    def encode(self, text: str) -> list[int]:
+        # No BOS/EOS templates: a stream of windows over running text must not get one per call.
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _string_list(gguf: GGUFFile, key: str) -> list[str]:
+    value = gguf.metadata.get(key)
+    if value is None:
+        raise GGUFError(f"{gguf.path}: required metadata key {key!r} is missing")
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise GGUFError(f"{gguf.path}: metadata {key!r} must be an array of strings")
+    return value
+
+
+def _token_types(gguf: GGUFFile, count: int) -> np.ndarray:
+    value = gguf.metadata.get("tokenizer.ggml.token_type")
+    if value is None:
+        return np.zeros(count, dtype=np.int64)
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or len(value) != count:
+        raise GGUFError(f"{gguf.path}: metadata 'tokenizer.ggml.token_type' must be an array of {count} integers "
+                        "(one per token)")
+    return value
+
+
+def _merges(gguf: GGUFFile) -> list[tuple[str, str]]:
+    pairs = []
+    for index, merge in enumerate(_string_list(gguf, "tokenizer.ggml.merges")):
+        # llama.cpp splits at the first space after the first character (a token may itself be " ").
+        cut = merge.find(" ", 1)
+        if cut < 0 or cut == len(merge) - 1:
+            raise GGUFError(f"{gguf.path}: tokenizer.ggml.merges[{index}] = {merge!r} is not two tokens "
+                            "separated by a space")
+        pairs.append((merge[:cut], merge[cut + 1:]))
+    return pairs
+
+
+def _special_ids(gguf: GGUFFile, count: int) -> dict[str, int | None]:
+    ids: dict[str, int | None] = {}
+    for name in ("bos", "eos", "unknown", "padding"):
+        key = f"tokenizer.ggml.{name}_token_id"
+        if key not in gguf.metadata:
+            ids[name] = None
+            continue
+        token_id = metadata_int(gguf, key)
+        if not 0 <= token_id < count:
+            raise GGUFError(f"{gguf.path}: metadata {key!r} = {token_id} is not a token id (0..{count - 1})")
+        ids[name] = token_id
+    return ids
+
+
+def _byte_level_bpe(gguf: GGUFFile) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tokens = _string_list(gguf, "tokenizer.ggml.tokens")
+    types = _token_types(gguf, len(tokens))
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    # A token outside GPT-2's byte alphabet (a raw space, a control token with odd characters) is spelled
+    # byte by byte, as transformers does, so that the vocabulary and the merges agree.
+    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+             for index, token in enumerate(tokens)}
+    try:
+        backend = Tokenizer(BPE(vocab=vocab, merges=_merges(gguf), dropout=None, continuing_subword_prefix="",
+                                end_of_word_suffix="", fuse_unk=False))
+    except Exception as exc:  # the Rust side raises a plain Exception (e.g. a merge of unknown tokens)
+        raise GGUFError(f"{gguf.path}: the byte-level BPE vocabulary is inconsistent ({exc})") from None
+    split = PRE_TOKENIZER_SPLITS.get(metadata_str(gguf, "tokenizer.ggml.pre", "default"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens spelled outside the byte alphabet are llama.cpp mislabels; adding them would grow
+    # the vocabulary past the model's embedding, so they are left out (transformers does the same).
+    control = [AddedToken(token, normalized=False, special=True)
+               for token, kind in zip(tokens, types) if kind == _CONTROL and set(token) <= alphabet]
+    if control:
+        backend.add_special_tokens(control)
+    known = backend.get_vocab()
+    user_defined = [AddedToken(token, normalized=False, special=False)
+                    for token, kind in zip(tokens, types) if kind == _USER_DEFINED and token in known]
+    if user_defined:
+        backend.add_tokens(user_defined)
+    return backend
+
+
+def gguf_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
+    kind = metadata_str(gguf, "tokenizer.ggml.model")
+    if kind == "llama":
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.model 'llama' (a SentencePiece vocabulary) is not "
+                        "supported yet; edgetrain builds byte-level BPE ('gpt2') tokenizers from GGUF")
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
+        raise GGUFError(f"{gguf.path}: tokenizer.ggml.model {kind!r} is not supported; edgetrain builds "
+                        "byte-level BPE ('gpt2') tokenizers from GGUF")
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise EdgetrainError(f"reading the tokenizer of {gguf.path} needs the 'tokenizers' package: "
+                             "pip install tokenizers") from None
+    tokens = _string_list(gguf, "tokenizer.ggml.tokens")
+    template = gguf.metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise GGUFError(f"{gguf.path}: metadata 'tokenizer.chat_template' must be a string")
+    return GGUFTokenizer(gguf.path, _byte_level_bpe(gguf), _special_ids(gguf, len(tokens)), template)
+
+
+def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """The tokenizer stored in a GGUF file's metadata (the file's tensors are not read)."""
+    return gguf_tokenizer(read_gguf(path))

