@@ -413,3 +413,17 @@ def test_chunked_loss_of_a_one_token_vocabulary_with_ignored_positions():
     loss, grad = chunked_lm_loss(hidden, torch.ones(4, dtype=torch.float64), 1e-6, lm_weight, targets, 2, 4)
     assert loss.item() == 0.0  # one class: probability 1
     assert not grad.any()
+
+
+def test_swiglu_ops_leave_their_inputs_alone_unless_told_to_consume_them():
+    # swiglu_forward / swiglu_backward overwrite their inputs only with overwrite_inputs=True (what the
+    # block code passes, to save buffers); a caller who does not ask keeps gate, up and grad_out.
+    generator = torch.Generator().manual_seed(0)
+    gate, up, grad_out = (torch.randn(3, 5, generator=generator, dtype=torch.float64) for _ in range(3))
+    kept = [t.clone() for t in (gate, up, grad_out)]
+    activation = mesp_ops.swiglu_forward(gate, up)
+    grad_gate, grad_up = mesp_ops.swiglu_backward(gate, up, grad_out)
+    assert all(torch.equal(t, k) for t, k in zip((gate, up, grad_out), kept))
+    assert torch.allclose(activation, F.silu(kept[0]) * kept[1])
+    assert torch.allclose(grad_up, kept[2] * F.silu(kept[0]))
+    assert grad_gate.data_ptr() not in {t.data_ptr() for t in (gate, up, grad_out)}
