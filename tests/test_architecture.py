@@ -159,3 +159,10 @@ def test_no_dispatch_on_backend_framework_or_probe_names_outside_the_registries(
                  if not path.relative_to(PACKAGE.parent).as_posix().startswith(REGISTRY_CODE)
                  for hit in string_dispatch(path, names)]
     assert offenders == [], "ask the registry entry (Backend fields, probe methods) instead:\n" + "\n".join(offenders)
+
+
+def test_every_folder_of_code_is_a_package():
+    # setuptools' find_packages skips a folder without __init__.py: its modules would be missing from the
+    # wheel though they import fine from a checkout (edgetrain/profiler/ once was such a folder).
+    folders = {path.parent for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+    assert sorted(str(f.relative_to(PACKAGE.parent)) for f in folders if not (f / "__init__.py").is_file()) == []

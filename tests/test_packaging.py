@@ -97,3 +97,7 @@ def test_the_wheel_installs_with_only_its_declared_dependencies_and_trains(tmp_p
     trained = run([edgetrain_cli, "train", "--model", "tiny", "--method", "mesp", "--steps", "1", "--seq", "16",
                    "--batch", "2", "--rank", "2"], cwd=tmp_path, env=env)
     assert "step 1" in trained.stdout or "step 1" in trained.stderr, trained.stdout[-2000:] + trained.stderr[-2000:]
+    # The profiler runs each method in a child process of the installed package.
+    profiled = run([edgetrain_cli, "profile", "--model", "tiny", "--methods", "bp", "--steps", "1", "--seq", "16",
+                    "--batch", "2", "--no-fidelity"], cwd=tmp_path, env=env)
+    assert "bp" in profiled.stdout and "ratios are to bp" in profiled.stdout, profiled.stdout[-2000:]
