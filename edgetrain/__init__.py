@@ -19,11 +19,13 @@ _LAZY = {
     "merge_lora": "edgetrain.models.lora", "save_lora": "edgetrain.models.lora",
     "unmerge_lora": "edgetrain.models.lora",
     "Learner": "edgetrain.learner", "StepStats": "edgetrain.learner",
+    "generate": "edgetrain.models.generate", "held_out_loss": "edgetrain.models.generate",
 }
 
 if TYPE_CHECKING:
     from edgetrain.learner import Learner, StepStats
     from edgetrain.models import MODEL_PRESETS, load_model
+    from edgetrain.models.generate import generate, held_out_loss
     from edgetrain.models.lora import LoraConfig, add_lora, load_lora, merge_lora, save_lora, unmerge_lora
 
 
@@ -45,5 +47,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["EdgetrainError", "Learner", "StepStats", "LoraConfig", "MODEL_PRESETS", "add_lora", "load_lora", "load_model",
-           "merge_lora", "save_lora", "unmerge_lora", "__version__"]
+__all__ = ["EdgetrainError", "Learner", "StepStats", "LoraConfig", "MODEL_PRESETS", "add_lora", "generate",
+           "held_out_loss", "load_lora", "load_model", "merge_lora", "save_lora", "unmerge_lora", "__version__"]

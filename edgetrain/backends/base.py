@@ -30,6 +30,7 @@ class Backend:
     adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
     quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
     loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files
+    reads_text_out: bool = True                         # edgetrain.models.generate runs its models (generate, eval)
 
     def learner_class(self) -> type:
         return _resolve(self.learner)

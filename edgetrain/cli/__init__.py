@@ -12,7 +12,8 @@ EXIT_CODES = """exit codes:
   130  interrupted (Ctrl-C); a run with --checkpoint-dir resumes where it was
   1    a bug in edgetrain: anything else (a traceback); please report it"""
 
-SUBCOMMANDS = {"profile": "profile", "train": "train", "export": "export", "list": "list"}
+SUBCOMMANDS = {"profile": "profile", "train": "train", "generate": "generate", "eval": "evaluate",
+               "export": "export", "list": "list"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,47 @@
+"""Held-out loss and perplexity of a model (and its LoRA adapter) on text files it did not train on.
+
+    edgetrain eval --model smollm2-135m --adapter adapter.safetensors --data held-out.txt
+
+The files are tokenised with the model's own tokenizer and cut into windows of --seq tokens (a tail
+shorter than one window is left out); the result is the mean next-token cross-entropy over every
+predicted token, in nats, and its exponential. One JSON line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_model_flags(parser)
+    parser.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                        help="text files or directories of them (held out from training)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per window")
+    parser.add_argument("--batch", type=int, default=4, help="windows per forward pass")
+    parser.add_argument("--max-batches", type=int, default=None, help="evaluate at most this many batches")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    import itertools
+
+    from edgetrain.data import text_stream
+    from edgetrain.data.tokenizer import model_tokenizer
+    from edgetrain.logs import get_logger
+    from edgetrain.models.generate import held_out_loss
+    from edgetrain.registry import EdgetrainError
+
+    if args.max_batches is not None and args.max_batches < 1:
+        raise EdgetrainError(f"--max-batches must be at least 1, got {args.max_batches}")
+    model = load_model_and_adapter(args)
+    stream = text_stream(args.seq, args.batch, paths=args.data, tokenizer=model_tokenizer(model),
+                         vocab_size=model.config.vocab_size, epochs=1)
+    batches = itertools.islice(iter(stream), args.max_batches)
+    result = held_out_loss(model, batches)
+    get_logger(__name__).info("held-out loss %.4f nats/token, perplexity %.3f over %d tokens (%s)", result.loss,
+                              result.perplexity, result.tokens, stream.source)
+    print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
+                      "batches": result.batches}))
+    return 0

@@ -1,0 +1,34 @@
+"""The flags that pick a model and its adapter, shared by the subcommands that read a trained model
+(generate, eval), and loading them."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny",
+                        help="preset, pretrained name (edgetrain list models), checkpoint directory or .gguf file")
+    parser.add_argument("--backend", default="torch-cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--adapter", default=None,
+                        help="a LoRA adapter to apply (what edgetrain train --save-adapter wrote)")
+
+
+def load_model_and_adapter(args: argparse.Namespace) -> Any:
+    """The model args name, with its adapter loaded when --adapter is given; refuses a backend that cannot
+    generate or evaluate text yet."""
+    import edgetrain
+    from edgetrain.backends import get_backend
+    from edgetrain.registry import EdgetrainError
+
+    backend = get_backend(args.backend)
+    if not backend.reads_text_out:
+        raise EdgetrainError(f"backend {args.backend!r} cannot generate or evaluate text yet; use torch-cpu or "
+                             "torch-cuda (the same adapter loads there)")
+    model = edgetrain.load_model(args.model, backend=args.backend, dtype=args.dtype)
+    if getattr(model, "task", None) != "lm":
+        raise EdgetrainError(f"--model {args.model}: a {type(model).__name__} is not a language model")
+    if args.adapter is not None:
+        edgetrain.load_lora(model, args.adapter)
+    return model

@@ -1,0 +1,173 @@
+"""Text from a decoder: autoregressive sampling with a key/value cache, and held-out loss and perplexity.
+
+The cache path reuses the model's own modules (projections, LoRA adapters, norms, MLP); only attention
+differs, because each new token attends to the keys and values of all earlier ones, which are kept
+instead of recomputed. It matches the model's full forward (tests/models/test_generate.py).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgetrain.data.batch import Batch
+from edgetrain.models.llama import Attention, DecoderBlock, apply_rope, rope_cos_sin
+from edgetrain.registry import EdgetrainError
+
+
+@dataclass
+class KVCache:
+    """Per block, the keys and values of every position seen so far: [batch, kv_heads, positions, head_dim]."""
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+
+
+def _attend(attention: Attention, x: torch.Tensor, cache: KVCache, index: int, start: int) -> torch.Tensor:
+    cfg = attention.config
+    batch, steps, _ = x.shape
+    q = attention.q_proj(x).view(batch, steps, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+    k = attention.k_proj(x).view(batch, steps, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    v = attention.v_proj(x).view(batch, steps, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    cos, sin = rope_cos_sin(cfg, start + steps, x.device, q.dtype)
+    q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+    if cache.keys[index] is not None:
+        k = torch.cat([cache.keys[index], k], dim=2)
+        v = torch.cat([cache.values[index], v], dim=2)
+    cache.keys[index], cache.values[index] = k, v
+    # Query i (position start + i) sees keys 0 .. start + i.
+    visible = torch.arange(start + steps, device=x.device)[None, :] <= torch.arange(start, start + steps,
+                                                                                      device=x.device)[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=cfg.kv_groups > 1)
+    return attention.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
+
+
+def _block(block: DecoderBlock, h: torch.Tensor, cache: KVCache, index: int, start: int) -> torch.Tensor:
+    h = h + _attend(block.self_attn, block.input_layernorm(h), cache, index, start)
+    return h + block.mlp(block.post_attention_layernorm(h))
+
+
+def _require_decoder(model: nn.Module) -> None:
+    blocks = getattr(model, "blocks", None)
+    if getattr(model, "task", None) != "lm" or blocks is None or not all(isinstance(b, DecoderBlock) for b in blocks):
+        raise EdgetrainError(f"generation needs a decoder language model (llama/qwen2); got {type(model).__name__}")
+
+
+@torch.no_grad()
+def forward_cached(model: nn.Module, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits of `token_ids` [batch, steps], which follow the cache's positions; the cache grows by them."""
+    _require_decoder(model)
+    if not cache.keys:
+        cache.keys, cache.values = [None] * len(model.blocks), [None] * len(model.blocks)
+    start = cache.length
+    h = model.embed(token_ids)
+    for index, block in enumerate(model.blocks):
+        h = _block(block, h, cache, index, start)
+    return model.head(h)
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise EdgetrainError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise EdgetrainError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise EdgetrainError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    probabilities = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1:
+        ordered, order = probabilities.sort(descending=True)
+        keep = ordered.cumsum(0) - ordered < top_p  # the smallest head of the distribution holding top_p
+        probabilities = torch.zeros_like(probabilities).scatter(0, order[keep], ordered[keep])
+    return int(torch.multinomial(probabilities.cpu(), 1, generator=generator))
+
+
+def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, stop_ids: Iterable[int] = ()) -> list[int]:
+    """The ids that follow `prompt_ids`: greedy at temperature 0, else sampled (seeded) from the
+    temperature-scaled distribution, cut to its top_p mass. Stops early at any of `stop_ids`."""
+    _check_sampling(max_new_tokens, temperature, top_p)
+    _require_decoder(model)
+    vocab = model.config.vocab_size
+    if not prompt_ids:
+        raise EdgetrainError("the prompt is empty: generation needs at least one token to continue from")
+    bad = [i for i in prompt_ids if not 0 <= int(i) < vocab]
+    if bad:
+        raise EdgetrainError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    stops = set(stop_ids)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache()
+        logits = forward_cached(model, torch.tensor([prompt_ids], device=device), cache)
+        produced: list[int] = []
+        for _ in range(max_new_tokens):
+            token = _pick(logits[0, -1], temperature, top_p, generator)
+            produced.append(token)
+            if token in stops:
+                break
+            logits = forward_cached(model, torch.tensor([[token]], device=device), cache)
+    finally:
+        model.train(was_training)
+    return produced
+
+
+def generate(model: nn.Module, prompt: str, max_new_tokens: int = 64, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0) -> str:
+    """The text the model writes after `prompt`, tokenised with the model's own tokenizer; it stops at the
+    tokenizer's end-of-sequence id when it has one."""
+    from edgetrain.data.tokenizer import model_tokenizer
+
+    tokenizer = model_tokenizer(model)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = generate_ids(model, tokenizer.encode(prompt), max_new_tokens, temperature=temperature, top_p=top_p,
+                       seed=seed, stop_ids=() if eos is None else (eos,))
+    if eos is not None and ids and ids[-1] == eos:
+        ids = ids[:-1]
+    return tokenizer.decode(ids)
+
+
+@dataclass(frozen=True)
+class HeldOutLoss:
+    loss: float        # mean next-token cross-entropy, nats per token
+    tokens: int        # predicted tokens it averages over
+    batches: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:
+    """Mean token loss of the model over `batches` (targets -100 ignored), weighted by tokens, not batches."""
+    _require_decoder(model)
+    was_training = model.training
+    model.eval()
+    total, tokens, count = 0.0, 0, 0
+    try:
+        for batch in batches:
+            logits = model(batch.inputs)
+            losses = F.cross_entropy(logits.flatten(0, 1).double(), batch.targets.flatten(), ignore_index=-100,
+                                     reduction="sum")
+            total += float(losses)
+            tokens += int((batch.targets != -100).sum())
+            count += 1
+    finally:
+        model.train(was_training)
+    if tokens == 0:
+        raise EdgetrainError("held-out evaluation got no tokens: the data is shorter than one sequence")
+    return HeldOutLoss(total / tokens, tokens, count)

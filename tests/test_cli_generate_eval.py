@@ -1,0 +1,77 @@
+"""`edgetrain generate` and `edgetrain eval`: a trained adapter changes what the model writes and lowers
+its held-out loss; the numbers printed are held_out_loss's; bad values are refused by name."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import edgetrain
+from edgetrain.cli import main
+
+CORPUS = "the device learns where it runs. " * 120
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model's adapter after 10 steps on the corpus (and the corpus file)."""
+    directory = tmp_path_factory.mktemp("trained")
+    (directory / "train.txt").write_text(CORPUS)
+    assert main(["train", "--model", "tiny", "--method", "bp", "--steps", "10", "--seq", "16", "--batch", "2",
+                 "--rank", "8", "--lr", "0.05", "--files", str(directory / "train.txt"), "--save-adapter",
+                 str(directory / "adapter.safetensors"), "--quiet"]) == 0
+    return directory
+
+
+def _eval(capsys, *flags) -> dict:
+    assert main(["eval", "--model", "tiny", "--seq", "32", "--batch", "2", "--quiet", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_adapter_lowers_held_out_loss_and_the_numbers_are_held_out_losss(trained, tmp_path, capsys):
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("it runs where the device learns. " * 40)
+    base = _eval(capsys, "--data", str(held_out))
+    tuned = _eval(capsys, "--data", str(held_out), "--adapter", str(trained / "adapter.safetensors"))
+    # From ln(256) = 5.5 nats (uniform over bytes) the adapter learns the corpus' letters in ten steps.
+    assert tuned["loss"] < base["loss"] - 0.4 and tuned["perplexity"] == pytest.approx(math.exp(tuned["loss"]))
+    torch_model = edgetrain.load_model("tiny")
+    edgetrain.load_lora(torch_model, trained / "adapter.safetensors")
+    stream = edgetrain.data.text_stream(32, 2, paths=[held_out], epochs=1)
+    assert tuned["loss"] == pytest.approx(edgetrain.held_out_loss(torch_model, stream).loss, rel=1e-12)
+    assert tuned["tokens"] == tuned["batches"] * 2 * 32
+
+
+def test_generate_writes_what_the_adapter_learned(trained, capsys):
+    flags = ["generate", "--model", "tiny", "--prompt", "the device ", "--max-tokens", "12", "--quiet"]
+    assert main(flags) == 0
+    base = capsys.readouterr().out
+    assert main([*flags, "--adapter", str(trained / "adapter.safetensors")]) == 0
+    tuned = capsys.readouterr().out
+    alphabet = set(CORPUS)
+    assert sum(c in alphabet for c in tuned.strip()) >= 0.9 * len(tuned.strip())  # the corpus' letters
+    assert sum(c in alphabet for c in base.strip()) < 0.5 * len(base.strip())  # not the untrained model's
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["generate", "--prompt", "x", "--max-tokens", "0"], "max_new_tokens must be a whole number >= 1"),
+    (["generate", "--prompt", "x", "--temperature", "nan"], "temperature must be a finite number"),
+    (["generate", "--prompt", "", ], "prompt is empty"),
+    (["generate", "--prompt", "x", "--model", "mlp-digits"], "is not a language model"),
+    (["generate", "--prompt", "x", "--adapter", "missing.safetensors"], "missing.safetensors"),
+    (["eval", "--data", "missing.txt"], "missing.txt"),
+    (["eval", "--data", "{short}"], "too short for one batch"),
+    (["eval", "--data", "{short}", "--max-batches", "0"], "--max-batches must be at least 1"),
+])
+def test_bad_values_are_refused_by_name(tmp_path, capsys, flags, message):
+    (tmp_path / "short.txt").write_text("too short")
+    argv = [f.format(short=tmp_path / "short.txt") for f in flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_mlx_says_it_cannot_generate_yet(capsys):
+    pytest.importorskip("mlx.core")
+    assert main(["generate", "--backend", "mlx", "--prompt", "x"]) == 2
+    assert "cannot generate or evaluate text yet" in capsys.readouterr().err
