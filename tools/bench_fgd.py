@@ -15,16 +15,16 @@
 
 Memory cells run the pipeline's reference scheduler in one thread (a TorchDispatchMode only sees the
 thread it is entered in); parallel workers add nothing but their concurrent working sets, at most one
-module's activations and JVPs each. Usage:
+module's activations and JVPs each. Every comparison runs through edgetrain.profiler.bench (one step of
+each arm per round, alternating order, after warm-up rounds; median, spread, ratios to the baseline). Usage:
 
   .venv/bin/python tools/bench_fgd.py                 # everything (a few minutes on 2 cores)
-  .venv/bin/python tools/bench_fgd.py --quick         # smaller sweep, fewer timed steps
-  .venv/bin/python tools/bench_fgd.py --only memory   # or throughput, cuda
+  .venv/bin/python tools/bench_fgd.py --quick         # smaller sweep, fewer timed rounds
+  .venv/bin/python tools/bench_fgd.py --only memory   # or throughput, cuda; --json, --png for the records
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import queue
@@ -49,9 +49,34 @@ from edgetrain.methods.fgd import plain_sgd_learning_rates  # noqa: E402
 from edgetrain.models import load_model  # noqa: E402
 from edgetrain.models.mlp import MLPConfig, build_mlp  # noqa: E402
 from edgetrain.models.zoo import example_input  # noqa: E402
+from edgetrain.profiler.bench import (Arm, Column, Summary, format_table, measure_interleaved,  # noqa: E402
+                                      ratios, summarise, write_json, write_png)
 from edgetrain.probes.tensors import TensorAccountant  # noqa: E402
 
 MIB = 2**20
+MEMORY_COLUMNS = [Column("total", "total", MIB, "MiB"), Column("above", "above weights", MIB, "MiB")]
+TIME_COLUMNS = [Column("seconds", "step", 1e-3, "ms"), Column("steps_per_s", "throughput", 1.0, "steps/s")]
+COMPARISONS: dict[str, tuple[dict[str, dict[str, Summary]], str, dict]] = {}
+
+
+def compare(title: str, arms: list[Arm], baseline: str, columns: list[Column], repeats: int, warmup: int) -> dict:
+    """The arms in interleaved rounds; prints their table and keeps it for --json / --png."""
+    samples = measure_interleaved(arms, repeats=repeats, warmup=warmup, description=title.split(":")[0])
+    summaries = {a: summarise([{c.metric: s.get(c.metric) for c in columns} for s in t]) for a, t in samples.items()}
+    print("\n" + format_table(title, summaries, baseline, columns), flush=True)
+    COMPARISONS[title] = (summaries, baseline, samples)
+    return summaries
+
+
+def write_outputs(args: argparse.Namespace, headline: tuple[str, Column], **context) -> None:
+    """--json: the headline comparison through write_json, every comparison with it; --png: its chart."""
+    summaries, baseline, samples = COMPARISONS[headline[0]]
+    if args.json:
+        write_json(args.json, summaries, baseline, samples, headline=headline[0], **context,
+                   comparisons={t: {"baseline": b, "ratios": ratios(s, b), "samples": x}
+                                for t, (s, b, x) in COMPARISONS.items()})
+    if args.png:
+        write_png(args.png, summaries, baseline, headline[1], title=headline[0].split(":")[0])
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -82,41 +107,26 @@ def step_memory(build: Callable[[], nn.Module], method: str, options: dict, batc
         learner.step(batch)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     peak = accountant.report().peak_bytes
-    close = getattr(learner.method, "close", None)
-    if close:
-        close()
+    getattr(learner.method, "close", lambda: None)()
     return {"weights": weights, "total": peak, "above": peak - weights}
 
 
-def memory_variants(num_modules: int) -> dict[str, tuple[str, dict]]:
-    return {"bp": ("bp", {}),
-            "fgd": ("fgd", {}),
-            "fgd (no tangent ckpt)": ("fgd", {"tangent_checkpoint": False}),
-            f"asyncfgd K={num_modules}": ("asyncfgd", {"num_modules": num_modules, "runtime": "reference"}),
-            f"asyncfgd K={num_modules} (no tangent ckpt)": ("asyncfgd", {"num_modules": num_modules,
-                                                                        "runtime": "reference",
-                                                                        "tangent_checkpoint": False})}
+def memory_variants(k: int) -> dict[str, tuple[str, dict]]:
+    asyncfgd = {"num_modules": k, "runtime": "reference"}
+    return {"bp": ("bp", {}), "fgd": ("fgd", {}), "fgd (no tangent ckpt)": ("fgd", {"tangent_checkpoint": False}),
+            f"asyncfgd K={k}": ("asyncfgd", asyncfgd),
+            f"asyncfgd K={k} (no tangent ckpt)": ("asyncfgd", {**asyncfgd, "tangent_checkpoint": False})}
 
 
 def memory_table(title: str, columns: dict[str, tuple[Callable[[], nn.Module], int]], batch_size: int) -> dict:
-    print(f"\n{title} (batch {batch_size}; MiB by tensor accounting; x = ratio to bp)")
-    rows: dict[str, dict[str, dict]] = {}
-    for column, (build, num_modules) in columns.items():
-        for label, (method, options) in memory_variants(num_modules).items():
-            label = label.replace(f"K={num_modules}", "K=L")
-            print(f"  {column}: {label} ...", file=sys.stderr, flush=True)
-            rows.setdefault(label, {})[column] = step_memory(build, method, options, batch_size)
-    print(f"{'':<34}" + "".join(f"{c:>32}" for c in columns))
-    print(f"{'method':<34}" + "".join(f"{'total MiB (x)   above MiB (x)':>32}" for _ in columns))
-    for label, cells in rows.items():
-        line = f"{label:<34}"
-        for column in columns:
-            cell, ref = cells[column], rows["bp"][column]
-            line += (f"{cell['total'] / MIB:>10.2f} ({cell['total'] / ref['total']:.2f})"
-                     f"{cell['above'] / MIB:>11.2f} ({cell['above'] / ref['above']:.2f})")
-        print(line)
+    """One comparison per column (depth, convnet), the variants its arms; deterministic, so one round."""
+    found = {}
+    for column, (build, k) in columns.items():
+        arms = [Arm(label.replace(f"K={k}", "K=L"), lambda m=method, o=options: step_memory(build, m, o, batch_size))
+                for label, (method, options) in memory_variants(k).items()]
+        found[column] = compare(f"{title}: {column}, batch {batch_size}", arms, "bp", MEMORY_COLUMNS, 1, 0)
     print("K=L: one module per hidden layer (embed joins the first, the head the last).")
-    return rows
+    return found
 
 
 # -- throughput ------------------------------------------------------------------------------------
@@ -181,105 +191,93 @@ class SyncPipeline:
         self.pipeline.close()
 
 
-def time_steps(step: Callable[[Batch], object], batch: Batch, warmup: int, steps: int, sync: Callable[[], None]) -> dict:
-    for _ in range(warmup):
-        step(batch)
-    sync()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step(batch)
-        sync()
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    return {"median_s": median, "steps_per_s": 1 / median, "times": times}
-
-
-def throughput_table(model_name: str, batch_size: int, warmup: int, steps: int, cores: int) -> dict:
-    print(f"\nThroughput: {model_name}, stream batch {batch_size}, {cores} cores available "
-          f"(median of {steps} steps after {warmup} warm-up; a shared machine: figures are noisy)")
-    rows = {}
-    default_threads = torch.get_num_threads()
-
-    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = load_model(model_name)
-        return model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-
-    def run_method(label: str, threads: int, method: Callable[[nn.Module], object]) -> None:
-        print(f"  {label} ...", file=sys.stderr, flush=True)
+def time_arms(title: str, specs: dict[str, tuple[int, Callable[[nn.Module], object]]], model_name: str,
+              batch_size: int, warmup: int, repeats: int, device: str = "cpu", sync: Callable[[], None] = lambda: None):
+    """One arm per spec (label -> intra-op threads, trainer factory; the first is the baseline): a fresh model
+    and trainer each, built before the rounds; a run is one timed step with the spec's thread count."""
+    default_threads, arms, closers = torch.get_num_threads(), [], []
+    for label, (threads, make) in specs.items():
         torch.set_num_threads(threads)
-        model, optimizer = fresh()
-        trainer = method(model)
-        batch = random_batch(model, batch_size)
-        rows[label] = time_steps(lambda b: trainer.step(b, optimizer), batch, warmup, steps, lambda: None)
-        if hasattr(trainer, "close"):
-            trainer.close()
+        model = load_model(model_name, device=device)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        trainer, batch = make(model), random_batch(model, batch_size).to(device)
+        closers.append(getattr(trainer, "close", lambda: None))
 
-    run_method("fgd, 1 worker x 1 thread", 1, lambda m: edgetrain.methods.fgd.ForwardGradient(m))
-    run_method(f"fgd, 1 worker x {cores} threads", cores, lambda m: edgetrain.methods.fgd.ForwardGradient(m))
-    run_method("asyncfgd K=2, 2 workers x 1 thread", 1, lambda m: AsyncFGD(m, num_modules=2, runtime="threads"))
-    run_method("sync pipeline K=2 (micro-batch 1)", 1, lambda m: SyncPipeline(m, 2, micro_batch=1))
-    run_method("asyncfgd K=2, sequential (1 thread)", 1, lambda m: AsyncFGD(m, num_modules=2, runtime="reference"))
-    torch.set_num_threads(default_threads)
-    base = rows["fgd, 1 worker x 1 thread"]["median_s"]
-    both = rows[f"fgd, 1 worker x {cores} threads"]["median_s"]
-    print(f"{'configuration':<40}{'ms/step':>10}{'steps/s':>10}{'vs 1x1':>9}{f'vs 1x{cores}':>9}")
-    for label, row in rows.items():
-        print(f"{label:<40}{row['median_s'] * 1e3:>10.1f}{row['steps_per_s']:>10.2f}"
-              f"{base / row['median_s']:>8.2f}x{both / row['median_s']:>8.2f}x")
-    return rows
+        def run(step=lambda trainer=trainer, optimizer=optimizer, batch=batch: trainer.step(batch, optimizer),
+                threads=threads) -> dict:
+            torch.set_num_threads(threads)
+            start = time.perf_counter()
+            step()
+            sync()
+            seconds = time.perf_counter() - start
+            return {"seconds": seconds, "steps_per_s": 1 / seconds}
+        arms.append(Arm(label, run))
+    try:
+        return compare(title, arms, next(iter(specs)), TIME_COLUMNS, repeats, warmup)
+    finally:
+        for close in closers:
+            close()
+        torch.set_num_threads(default_threads)
 
 
-def cuda_table(model_name: str, batch_size: int, warmup: int, steps: int) -> dict | None:
+def throughput_table(model_name: str, batch_size: int, warmup: int, repeats: int, cores: int) -> dict:
+    fgd = lambda m: edgetrain.methods.fgd.ForwardGradient(m)  # noqa: E731
+    both = f"fgd, 1 worker x {cores} threads"
+    specs = {"fgd, 1 worker x 1 thread": (1, fgd), both: (cores, fgd),
+             "asyncfgd K=2, 2 workers x 1 thread": (1, lambda m: AsyncFGD(m, num_modules=2, runtime="threads")),
+             "sync pipeline K=2 (micro-batch 1)": (1, lambda m: SyncPipeline(m, 2, micro_batch=1)),
+             "asyncfgd K=2, sequential (1 thread)": (1, lambda m: AsyncFGD(m, num_modules=2, runtime="reference"))}
+    summaries = time_arms(f"Throughput: {model_name}, stream batch {batch_size}, {cores} cores (a shared machine: "
+                          "figures are noisy)", specs, model_name, batch_size, warmup, repeats)
+    print(f"steps/s vs {both}: " + ", ".join(f"{a} {r['steps_per_s']:.2f}x" for a, r in ratios(summaries, both).items()
+                                             if a != both))
+    return summaries
+
+
+def cuda_table(model_name: str, batch_size: int, warmup: int, repeats: int) -> dict | None:
     if not torch.cuda.is_available():
         print("\nCUDA streams: skipped -- no CUDA device here (run this on a Jetson / GPU machine: "
               "asyncfgd K=2 with runtime='cuda-streams' vs fgd on the same GPU)")
         return None
-    print(f"\nCUDA streams: {model_name} on {torch.cuda.get_device_name()}, batch {batch_size}")
-    rows = {}
-    for label, make in {"fgd (one stream)": lambda m: edgetrain.methods.fgd.ForwardGradient(m),
-                        "asyncfgd K=2, 2 CUDA streams": lambda m: AsyncFGD(m, num_modules=2, runtime="cuda-streams"),
-                        "asyncfgd K=2, sequential": lambda m: AsyncFGD(m, num_modules=2, runtime="reference")}.items():
-        model = load_model(model_name, device="cuda")
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
-        trainer = make(model)
-        batch = random_batch(model, batch_size).to("cuda")
-        rows[label] = time_steps(lambda b: trainer.step(b, optimizer), batch, warmup, steps, torch.cuda.synchronize)
-        if hasattr(trainer, "close"):
-            trainer.close()
-    base = rows["fgd (one stream)"]["median_s"]
-    for label, row in rows.items():
-        print(f"{label:<40}{row['median_s'] * 1e3:>10.2f} ms/step{base / row['median_s']:>8.2f}x")
-    return rows
+    threads = torch.get_num_threads()
+    specs = {"fgd (one stream)": (threads, lambda m: edgetrain.methods.fgd.ForwardGradient(m)),
+             "asyncfgd K=2, 2 CUDA streams": (threads, lambda m: AsyncFGD(m, num_modules=2, runtime="cuda-streams")),
+             "asyncfgd K=2, sequential": (threads, lambda m: AsyncFGD(m, num_modules=2, runtime="reference"))}
+    return time_arms(f"CUDA streams: {model_name} on {torch.cuda.get_device_name()}, batch {batch_size}", specs,
+                     model_name, batch_size, warmup, repeats, "cuda", torch.cuda.synchronize)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller sweep, fewer timed steps")
+    parser.add_argument("--quick", action="store_true", help="smaller sweep, fewer timed rounds")
     parser.add_argument("--only", choices=("memory", "throughput", "cuda"), default=None)
     parser.add_argument("--model", default="resnet18-cifar", help="throughput model (default resnet18-cifar)")
-    parser.add_argument("--json", default=None, help="write every record here")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed rounds, one step of each arm per round (default 12; --quick 5; cuda 30)")
+    parser.add_argument("--json", default=None, help="write every comparison here")
+    parser.add_argument("--png", default=None, help="bar chart of the headline comparison (throughput, else the "
+                                                    "deepest FC stack's memory)")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {cores} cores, "
           f"load average {os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "")
-    everything: dict = {}
+    headline = None
     if args.only in (None, "memory"):
         torch.set_num_threads(1)
         depths = (2, 4, 8) if args.quick else (2, 4, 8, 12)
-        everything["fc_depth"] = memory_table(
-            "Memory vs depth: FC stacks of 1024-wide Tanh layers, MNIST input (Fig. 3a)",
-            {f"L={d}": (lambda d=d: fc_stack(d), d) for d in depths}, batch_size=64)
-        everything["convnets"] = memory_table(
-            "Memory: the paper's convnets, MNIST input (App. H.2; K=L means K=3 here)",
-            {"ConvS": (lambda: load_model("convs"), 3), "ConvL": (lambda: load_model("convl"), 3)}, batch_size=64)
+        memory_table("Memory vs depth: FC stacks of 1024-wide Tanh layers, MNIST input (Fig. 3a)",
+                     {f"L={d}": (lambda d=d: fc_stack(d), d) for d in depths}, batch_size=64)
+        headline = (list(COMPARISONS)[-1], MEMORY_COLUMNS[1])
+        memory_table("Memory: the paper's convnets, MNIST input (App. H.2; K=L means K=3 here)",
+                     {"ConvS": (lambda: load_model("convs"), 3), "ConvL": (lambda: load_model("convl"), 3)}, batch_size=64)
     if args.only in (None, "throughput"):
-        warmup, steps = (2, 5) if args.quick else (3, 12)
-        everything["throughput"] = throughput_table(args.model, 4, warmup, steps, cores)
-    if args.only in (None, "cuda"):
-        everything["cuda"] = cuda_table(args.model, 4, 5, 30)
-    if args.json:
-        Path(args.json).write_text(json.dumps(everything, indent=2, default=str))
+        warmup, repeats = (2, 5) if args.quick else (3, 12)
+        throughput_table(args.model, 4, warmup, args.repeats or repeats, cores)
+        headline = (list(COMPARISONS)[-1], TIME_COLUMNS[1])
+    if args.only in (None, "cuda") and cuda_table(args.model, 4, 5, args.repeats or 30):
+        headline = headline or (list(COMPARISONS)[-1], TIME_COLUMNS[1])
+    if headline:
+        write_outputs(args, headline, cores=cores, torch=torch.__version__)
     return 0
 
 

@@ -10,9 +10,9 @@ timed steps. mesp runs with fused_update (the paper updates each block's adapter
 On Linux the mlx[cpu] wheel's bundled reference BLAS is ~60x slower than OpenBLAS; pass
 --openblas PATH (Debian: /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0, found by
 itself when installed) to LD_PRELOAD it into the workers. The BLAS that ran is in the header.
-Memory ratios do not depend on it.
+Memory ratios do not depend on it. A model's methods run in interleaved rounds (edgetrain.profiler.bench).
 
-    python tools/bench_mlx.py --quick                      # 0.5B shape, 2 blocks, 1 timed step
+    python tools/bench_mlx.py --quick --png mlx.png        # 0.5B shape, 2 blocks, 1 timed step
     python tools/bench_mlx.py --models qwen2.5-0.5b        # the full 24 blocks
     python tools/bench_mlx.py --layers 4                   # all three shapes, first 4 blocks each
 """
@@ -24,6 +24,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from edgetrain.profiler.bench import (Arm, Column, format_table, measure_interleaved, ratios, summarise, write_json,
+                                      write_png)
 
 MARKER = "BENCH_MLX_RESULT "
 MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b")
@@ -37,6 +40,8 @@ PAPER_SECONDS = {"qwen2.5-0.5b": {"mebp": 0.68, "mezo": 0.51, "mesp": 0.86},
                  "qwen2.5-3b": {"mebp": 3.21, "mezo": 2.24, "mesp": 4.09}}
 DEBIAN_OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 METHOD_OPTIONS = {"mesp": {"fused_update": True}}
+COLUMNS = [Column("peak_bytes_probe", "peak", 1e6, "MB"), Column("step_seconds", "step", 1.0, "s"),
+           Column("peak_bytes_os", "OS peak", 1e6, "MB")]
 
 
 def worker(spec: dict) -> int:
@@ -75,26 +80,10 @@ def run_one(spec: dict, env: dict[str, str]) -> dict:
                        + result.stderr[-3000:])
 
 
-def format_table(records: list[dict]) -> str:
-    lines = [f"{'model':<14}{'method':<7}{'peak MB':>9}{'x mebp':>8}{'step s':>9}{'x mebp':>8}"
-             f"{'OS MB':>8}{'paper MB':>10}{'paper x':>9}{'paper s':>9}"]
-    by_model: dict[str, dict[str, dict]] = {}
-    for record in records:
-        by_model.setdefault(record["model"], {})[record["method"]] = record
-    for model, methods in by_model.items():
-        base = methods.get("mebp")
-        for method, record in methods.items():
-            peak_mb = record["peak_bytes_probe"] / 1e6
-            mem_ratio = f"{record['peak_bytes_probe'] / base['peak_bytes_probe']:.2f}" if base else "-"
-            time_ratio = f"{record['step_seconds'] / base['step_seconds']:.2f}" if base else "-"
-            os_mb = "-" if record.get("peak_bytes_os") is None else f"{record['peak_bytes_os'] / 1e6:.0f}"
-            paper = PAPER_MB.get(model, {}).get(method)
-            paper_ratio = f"{paper / PAPER_MB[model]['mebp']:.2f}" if paper else "-"
-            paper_s = PAPER_SECONDS.get(model, {}).get(method)
-            lines.append(f"{model:<14}{method:<7}{peak_mb:>9.1f}{mem_ratio:>8}{record['step_seconds']:>9.2f}"
-                         f"{time_ratio:>8}{os_mb:>8}{(f'{paper:.1f}' if paper else '-'):>10}{paper_ratio:>9}"
-                         f"{(f'{paper_s:.2f}' if paper_s else '-'):>9}")
-    return "\n".join(lines)
+def paper_line(model: str, summaries: dict) -> str:
+    paper, seconds = PAPER_MB.get(model, {}), PAPER_SECONDS.get(model, {})
+    return f"  paper (Apple silicon, phys_footprint, all blocks) {model}: " + ", ".join(
+        f"{m} {mb:.1f} MB ({mb / paper['mebp']:.2f}x), {seconds[m]:.2f} s" for m, mb in paper.items() if m in summaries)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fidelity", action="store_true", help="also compare each gradient with bp's")
     parser.add_argument("--openblas", type=Path, default=None, help="libopenblas.so to LD_PRELOAD (Linux)")
     parser.add_argument("--quick", action="store_true", help="0.5B shape, 2 blocks, 1 timed step")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of the methods per model")
     parser.add_argument("--json", type=Path, default=None, help="also write the records here")
+    parser.add_argument("--png", type=Path, default=None, help="bar chart of the last model's peaks / mebp")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(json.loads(args.worker))
@@ -120,22 +111,30 @@ def main(argv: list[str] | None = None) -> int:
     if openblas is None and sys.platform.startswith("linux") and DEBIAN_OPENBLAS.is_file():
         openblas = DEBIAN_OPENBLAS
     env = child_environment(openblas)
-    records = []
+    baseline = "mebp" if "mebp" in args.methods else args.methods[0]
+    found = {}
     for model in args.models:
-        for method in args.methods:
-            spec = dict(model=model, method=method, seq=args.seq, rank=args.rank, steps=args.steps,
-                        layers=args.layers, bits=args.bits, fidelity=args.fidelity)
-            print(f"running {model} / {method} ...", file=sys.stderr, flush=True)
-            records.append(run_one(spec, env))
-    first = records[0]
-    print(f"MeSP Table 1 on MLX -- device {first['mlx_device']} ({os.cpu_count()} CPU cores), BLAS: {first['blas']}")
-    print(f"seq {args.seq}, batch 1, LoRA rank {args.rank} on q,k,v,o,gate,up,down, "
+        arms = [Arm(method, lambda method=method: run_one(
+            dict(model=model, method=method, seq=args.seq, rank=args.rank, steps=args.steps, layers=args.layers,
+                 bits=args.bits, fidelity=args.fidelity), env)) for method in args.methods]
+        samples = measure_interleaved(arms, repeats=args.repeats, warmup=0, description=model)
+        found[model] = ({m: summarise([{c.metric: s.get(c.metric) for c in COLUMNS} for s in t])
+                         for m, t in samples.items()}, samples)
+    first = next(iter(found.values()))[1][args.methods[0]][0]
+    print(f"MeSP Table 1 on MLX -- device {first['mlx_device']} ({os.cpu_count()} CPU cores), BLAS: {first['blas']}\n"
+          f"seq {args.seq}, batch 1, LoRA rank {args.rank} on q,k,v,o,gate,up,down, "
           f"{str(args.bits) + '-bit' if args.bits else 'fp32'} base, fp32 LoRA, blocks: "
-          f"{args.layers or 'all'}; peak = MLX probe above the pre-step baseline; "
-          "paper = Table 1 (Apple silicon, phys_footprint, all blocks)")
-    print(format_table(records))
+          f"{args.layers or 'all'}; peak = MLX probe above the pre-step baseline")
+    for model, (summaries, _) in found.items():
+        print("\n" + format_table(f"{model}, seq {args.seq}, rank {args.rank}", summaries, baseline, COLUMNS))
+        print(paper_line(model, summaries) if model in PAPER_MB else "", flush=True)
+    summaries, samples = found[args.models[-1]]
     if args.json:
-        args.json.write_text(json.dumps(records, indent=2))
+        write_json(args.json, summaries, baseline, samples, model=args.models[-1],
+                   settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                   models={m: {"ratios": ratios(s, baseline), "samples": x} for m, (s, x) in found.items()})
+    if args.png:
+        write_png(args.png, summaries, baseline, COLUMNS[0], title=f"MLX peak, {args.models[-1]}")
     return 0
 
 

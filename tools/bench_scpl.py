@@ -25,8 +25,8 @@ printed (torch.set_num_threads and OMP_NUM_THREADS):
 The 1-thread single-process cells run as two identical copies at once and report the per-copy rate,
 so both sides of the comparison hold two runnable threads (on an idle 2-core machine that is the
 same as running alone; when other jobs share the cores it gives both sides the same share); their
-"alone" rate is listed too. Cells are repeated (--repeats) in interleaved order and the median is
-reported, with the machine's load average.
+"alone" rate is listed too. Cells run in interleaved rounds (edgetrain.profiler.bench, --repeats rounds)
+and are reported as medians with their spread and ratios to bp 1x1, with the machine's load average.
 
 Memory (convnet, 4 components, split [2, 2, 2, 2]): bytes autograd saves for backward in one step (each
 storage once, weights excluded) and the tensor-accounting peak above the step's baseline
@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from itertools import cycle
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,10 +59,24 @@ import edgetrain  # noqa: E402
 from edgetrain.data.batch import Batch  # noqa: E402
 from edgetrain.models.convnet import ConvNetConfig, build_convnet  # noqa: E402
 from edgetrain.models.text_transformer import TextTransformerConfig, build_text_transformer  # noqa: E402
+from edgetrain.profiler.bench import (Arm, Column, format_table, measure_interleaved, ratios,  # noqa: E402
+                                      summarise, write_json, write_png)
 
 BATCH = 32
 SPLIT_4 = [2, 2, 2, 2]
 MIB = 2**20
+COMPARISONS: list[tuple[dict, str, dict, str, Column]] = []  # (summaries, baseline, samples, title, headline column)
+
+
+def compare(title: str, arms: list[Arm], baseline: str, columns: list[Column], repeats: int, warmup: int,
+            rows=lambda samples: samples) -> dict:
+    """The arms in interleaved rounds; prints the table of rows(samples) and keeps it for --json / --png."""
+    samples = measure_interleaved(arms, repeats=repeats, warmup=warmup, description=title.split(",")[0])
+    summaries = {row: summarise([{c.metric: s.get(c.metric) for c in columns} for s in taken])
+                 for row, taken in rows(samples).items()}
+    print("\n" + format_table(title, summaries, baseline, columns), flush=True)
+    COMPARISONS.append((summaries, baseline, samples, title, columns[0]))
+    return samples
 
 
 def bench_model() -> torch.nn.Module:
@@ -150,64 +165,41 @@ def pipeline_cell(workload: str, workers: int, warmup: int, steps: int, split: l
 
 # -- throughput ---------------------------------------------------------------------------------
 
-def throughput(workload: str, repeats: int, warmup: int, steps: int) -> list[str]:
+def throughput(workload: str, repeats: int, warmup: int, steps: int) -> None:
     """Single-thread single-process cells run as two identical copies at once (per-copy throughput), so
     they hold as many runnable threads as the two pipeline workers: on an idle 2-core machine each copy
     has a core of its own, exactly like one process alone, and when other jobs share the cores both
-    sides get the same share of them. The copies share memory bandwidth, as the workers do. A column
-    gives the same cells alone, for reference."""
+    sides get the same share of them. The copies share memory bandwidth, as the workers do. Arms "alone": the same."""
     split = WORKLOADS[workload].split
-    paired = {
+    cells = {
         "bp, 1 process x 1 thread": lambda: subprocess_cell(workload, "bp", 1, warmup, steps, copies=2),
         "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell(workload, "scpl", 1, warmup, steps, copies=2),
         "scpl pipelined, 2 workers x 1 thread": lambda: pipeline_cell(workload, 2, warmup, steps, split),
         "scpl pipelined, 2 workers x 1 thread, 2 micro-batches": lambda: pipeline_cell(workload, 2, warmup, steps,
                                                                                       split, 2),
         "bp, 1 process x 2 threads": lambda: subprocess_cell(workload, "bp", 2, warmup, steps),
+        "bp, 1 process x 1 thread, alone": lambda: subprocess_cell(workload, "bp", 1, warmup, steps),
+        "scpl sequential, 1 process x 1 thread, alone": lambda: subprocess_cell(workload, "scpl", 1, warmup, steps),
     }
-    alone = {
-        "bp, 1 process x 1 thread": lambda: subprocess_cell(workload, "bp", 1, warmup, steps),
-        "scpl sequential, 1 process x 1 thread": lambda: subprocess_cell(workload, "scpl", 1, warmup, steps),
-    }
-    results: dict[str, list[float]] = {name: [] for name in paired}
-    alone_results: dict[str, list[float]] = {name: [] for name in alone}
-    extra: dict[str, dict] = {}
-    loads = []
-    for _ in range(repeats):
-        for name, cell in [*paired.items(), *[(f"alone:{n}", c) for n, c in alone.items()]]:
-            loads.append(os.getloadavg()[0])
-            out = cell()
-            if name.startswith("alone:"):
-                alone_results[name[6:]].append(out["samples_per_second"])
-                continue
-            results[name].append(out["samples_per_second"])
-            if "workers" in out:
-                extra[name] = out
-    reference = statistics.median(results["bp, 1 process x 1 thread"])
-    lines = [f"Throughput, {workload}: {WORKLOADS[workload].description}, batch {BATCH}, Adam, one view; "
-             f"{steps} timed steps after {warmup} warm-up, median of {repeats} interleaved repeats; 1-thread "
-             "single-process cells run as two copies at once (see throughput()); load average during the run "
-             f"{min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores", "",
-             "| configuration | samples/s | vs bp 1x1 | runs | alone |", "| --- | ---: | ---: | --- | ---: |"]
-    for name, values in results.items():
-        median = statistics.median(values)
-        runs = ", ".join(f"{v:.0f}" for v in values)
-        solo = f"{statistics.median(alone_results[name]):.0f}" if name in alone_results else ""
-        lines.append(f"| {name} | {median:,.0f} | {median / reference:.2f}x | {runs} | {solo} |")
-    pipe = extra.get("scpl pipelined, 2 workers x 1 thread")
-    if pipe:
-        lines.append("")
-        lines.append(f"split {pipe['split']}; last run's workers: " + "; ".join(
-            f"rank {w['rank']} busy {w['busy_seconds']:.2f} s, waiting {w['wait_seconds']:.2f} s"
-            for w in pipe["workers"]))
-    return lines
+    samples = compare(f"Throughput, {workload}: {WORKLOADS[workload].description}, batch {BATCH}, Adam, one view; "
+                      f"{steps} timed steps after {warmup} warm-up in each cell; 1-thread single-process cells run "
+                      "as two copies at once unless alone (see throughput())",
+                      [Arm(name, lambda c=cell: {"load": os.getloadavg()[0], **c()}) for name, cell in cells.items()],
+                      "bp, 1 process x 1 thread", [Column("samples_per_second", "throughput", 1.0, "samples/s")],
+                      repeats, warmup=0)
+    loads = [sample["load"] for taken in samples.values() for sample in taken]
+    pipe = samples["scpl pipelined, 2 workers x 1 thread"][-1]
+    workers = "; ".join(f"rank {w['rank']} busy {w['busy_seconds']:.2f} s, waiting {w['wait_seconds']:.2f} s"
+                        for w in pipe["workers"])
+    print(f"load average during the run {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores; split "
+          f"{pipe['split']}; last run's workers: {workers}")
 
 
 # -- compute balance (CPU time, robust to other jobs on the cores) ----------------------------------
 
-def balance(workload: str, steps: int = 6, warmup: int = 2) -> list[str]:
+def balance(workload: str, steps: int = 6, warmup: int = 2) -> None:
     """One thread's CPU time per step for each component of the 2-component split (forward, local loss,
-    backward, its Adam step) and for bp: max(component) bounds the pipelined step, so bp / max is
+    backward, its Adam step) and for bp, interleaved: max(component) bounds the pipelined step, so bp / max is
     the speedup two idle cores could give. Thread CPU time barely moves when other jobs share the cores."""
     torch.set_num_threads(1)
     model = WORKLOADS[workload].build()
@@ -215,9 +207,11 @@ def balance(workload: str, steps: int = 6, warmup: int = 2) -> list[str]:
                                 method_options={"views": 1, "split": WORKLOADS[workload].split})
     components = learner.method.components
     optimizers = [torch.optim.Adam(list(c.params.values()), lr=1e-3) for c in components]
-    data = batches(model, warmup + steps)
-    cpu = [0.0] * len(components)
-    for i, batch in enumerate(data):
+    bp = edgetrain.Learner(WORKLOADS[workload].build(), method="bp", optimizer="adam", lr=1e-3, probe=False)
+    scpl_data, bp_data = cycle(batches(model, warmup + steps)), cycle(batches(model, warmup + steps))
+
+    def scpl_step() -> dict:
+        batch, cpu = next(scpl_data), {}
         h = batch.inputs
         for k, component in enumerate(components):
             start = time.thread_time()
@@ -225,23 +219,24 @@ def balance(workload: str, steps: int = 6, warmup: int = 2) -> list[str]:
             component.local_loss(out, batch.targets).backward()
             optimizers[k].step()
             optimizers[k].zero_grad(set_to_none=True)
-            if i >= warmup:
-                cpu[k] += time.thread_time() - start
+            cpu[f"component {k}"] = (time.thread_time() - start) * 1000
             h = out.detach()
-    bp_model = WORKLOADS[workload].build()
-    bp = edgetrain.Learner(bp_model, method="bp", optimizer="adam", lr=1e-3, probe=False)
-    bp_cpu = 0.0
-    for i, batch in enumerate(data):
+        return {"cpu_ms": sum(cpu.values()), **cpu}
+
+    def bp_step() -> dict:
         start = time.thread_time()
-        bp.step(batch)
-        if i >= warmup:
-            bp_cpu += time.thread_time() - start
-    per_step = [c / steps * 1000 for c in cpu]
-    bp_ms = bp_cpu / steps * 1000
-    return [f"Compute balance, {workload} (one thread's CPU time per step of {BATCH}, mean of {steps} steps): "
-            + ", ".join(f"component {c.index} ({c.name}) {ms:.0f} ms" for c, ms in zip(components, per_step))
-            + f"; bp {bp_ms:.0f} ms; scpl sequential {sum(per_step):.0f} ms. Ideal 2-worker pipeline: "
-            f"bp / max(component) = {bp_ms / max(per_step):.2f}x bp, {sum(per_step) / max(per_step):.2f}x scpl sequential."]
+        bp.step(next(bp_data))
+        return {"cpu_ms": (time.thread_time() - start) * 1000}
+    columns = [Column(m, m.replace("cpu_ms", "step"), 1.0, "CPU ms")
+               for m in ["cpu_ms", *(f"component {c.index}" for c in components)]]
+    compare(f"Compute balance, {workload}: one thread's CPU time per step of {BATCH}; " + ", ".join(
+        f"component {c.index} = {c.name}" for c in components), [Arm("bp", bp_step), Arm("scpl sequential", scpl_step)],
+        "bp", columns, repeats=steps, warmup=warmup)
+    summaries = COMPARISONS[-1][0]
+    bp_ms, scpl_ms = summaries["bp"]["cpu_ms"].median, summaries["scpl sequential"]["cpu_ms"].median
+    slowest = max(summaries["scpl sequential"][c.metric].median for c in columns[1:])
+    print(f"Ideal 2-worker pipeline: bp / max(component) = {bp_ms / slowest:.2f}x bp, {scpl_ms / slowest:.2f}x scpl "
+          "sequential.")
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -281,30 +276,26 @@ def in_process_memory(method: str) -> dict:
             "parameters": sum(p.numel() for p in learner.params.values())}
 
 
-def memory() -> list[str]:
-    bp = in_process_memory("bp")
-    scpl = in_process_memory("scpl")
-    pipe = pipeline_cell("convnet", 4, warmup=1, steps=1, split=SPLIT_4, memory=True)
-    bp_saved, bp_peak = bp["saved"][0], bp["peak"]
-    lines = [f"Memory: convnet workload, batch {BATCH}, 4 components (split {SPLIT_4}); saved = bytes autograd keeps "
-             "for backward (weights excluded), peak = tensor accounting above the step's baseline "
-             "(activations, gradients, temporaries; weights and optimizer state are the baseline)", "",
-             "| run | saved activations | vs bp | peak above baseline | vs bp | trainable parameters |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |",
-             f"| bp, one process | {bp_saved / MIB:.1f} MiB | 1.00x | {bp_peak / MIB:.1f} MiB | 1.00x | "
-             f"{bp['parameters'] / 1e6:.2f} M |",
-             f"| scpl sequential, one process (largest component) | {max(scpl['saved']) / MIB:.1f} MiB | "
-             f"{max(scpl['saved']) / bp_saved:.2f}x | {scpl['peak'] / MIB:.1f} MiB | {scpl['peak'] / bp_peak:.2f}x | "
-             f"{scpl['parameters'] / 1e6:.2f} M |"]
-    for worker in pipe["workers"]:
-        saved = worker["memory"]["saved_activation_bytes"]
-        peak = worker["memory"]["tensor_peak_above_baseline_bytes"]
-        lines.append(f"| scpl pipeline worker {worker['rank']} ({worker['component']}) | {saved / MIB:.1f} MiB | "
-                     f"{saved / bp_saved:.2f}x | {peak / MIB:.1f} MiB | {peak / bp_peak:.2f}x | "
-                     f"{worker['parameters'] / 1e6:.2f} M |")
-    lines += ["", "A worker's peak above baseline includes its parameters' gradients and the optimizer's temporaries: "
-              "the projection head's Linear(dim, 512) is the largest tensor there (SCPL's affiliated parameters)."]
-    return lines
+def memory() -> None:
+    """bp, sequential scpl and a 4-worker pipeline (a row per worker), one round: tensor accounting."""
+    def worker_rows(samples: dict) -> dict:
+        rows = {name: [{**s, "saved": max(s["saved"])} for s in samples[arm]] for name, arm in (
+            ("bp, one process", "bp"), ("scpl sequential, one process (largest component)", "scpl sequential"))}
+        for worker in samples["scpl pipeline"][0]["workers"]:
+            rows[f"scpl pipeline worker {worker['rank']} ({worker['component']})"] = [
+                {"saved": worker["memory"]["saved_activation_bytes"], "parameters": worker["parameters"],
+                 "peak": worker["memory"]["tensor_peak_above_baseline_bytes"]}]
+        return rows
+    columns = [Column("saved", "saved activations", MIB, "MiB"), Column("peak", "peak above baseline", MIB, "MiB"),
+               Column("parameters", "trainable parameters", 1e6, "M")]
+    compare(f"Memory: convnet workload, batch {BATCH}, 4 components (split {SPLIT_4}); saved = bytes autograd keeps "
+            "for backward (weights excluded), peak = tensor accounting above the step's baseline (activations, "
+            "gradients, temporaries; weights and optimizer state are the baseline)",
+            [Arm("bp", lambda: in_process_memory("bp")), Arm("scpl sequential", lambda: in_process_memory("scpl")),
+             Arm("scpl pipeline", lambda: pipeline_cell("convnet", 4, warmup=1, steps=1, split=SPLIT_4, memory=True))],
+            "bp, one process", columns, 1, 0, rows=worker_rows)
+    print("A worker's peak above baseline includes its parameters' gradients and the optimizer's temporaries: the "
+          "projection head's Linear(dim, 512) is the largest tensor there (SCPL's affiliated parameters).")
 
 
 def main() -> int:
@@ -315,6 +306,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--workloads", type=lambda text: text.split(","), default=list(WORKLOADS),
                         help=f"throughput and balance workloads, comma-separated ({', '.join(WORKLOADS)})")
+    parser.add_argument("--json", default=None, help="write every comparison here")
+    parser.add_argument("--png", default=None, help="chart of the last throughput (else balance, memory) table")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cell:
@@ -330,14 +323,20 @@ def main() -> int:
         parser.error(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     if args.only in (None, "balance"):
         for workload in args.workloads:
-            print("\n".join(balance(workload)), flush=True)
-        print()
+            balance(workload)
     if args.only in (None, "throughput"):
         for workload in args.workloads:
-            print("\n".join(throughput(workload, repeats, warmup=3, steps=steps)), flush=True)
-            print()
+            throughput(workload, repeats, warmup=3, steps=steps)
+    headline = COMPARISONS[-1] if COMPARISONS else None
     if args.only in (None, "memory"):
-        print("\n".join(memory()), flush=True)
+        memory()
+    summaries, baseline, samples, title, column = headline or COMPARISONS[-1]
+    if args.json:
+        write_json(args.json, summaries, baseline, samples, headline=title, settings=vars(args),
+                   comparisons={t: {"baseline": b, "ratios": ratios(x, b), "samples": y}
+                                for x, b, y, t, _ in COMPARISONS})
+    if args.png:
+        write_png(args.png, summaries, baseline, column, title=title.split(":")[0])
     return 0
 
 

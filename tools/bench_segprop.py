@@ -8,6 +8,7 @@
             checkpointing (bp with checkpointing is `mebp`).
   snapcheck step time of SegProp's last stage (seg=4, GH=3: the deepest frozen prefix) on a stream in a
             fixed order, with SnapCheck (every batch after the first epoch is a cache hit) and without.
+            (memory and snapcheck: arms of edgetrain.profiler.bench -- interleaved rounds, median, ratios)
   flops     FLOPs per sample of e2e vs each SegProp stage (the paper's Table 5 accounting: a training
             layer 3x its forward, 4x with checkpointing; a frozen one 1x; 0 when SnapCheck serves it)
             for ResNet-18 and for a 20-layer decoder (3 body segments + GH 4, checkpointing on, as §4.6).
@@ -18,16 +19,14 @@
 
 Usage:
   .venv/bin/python tools/bench_segprop.py                    # memory, snapcheck, flops, digits
-  .venv/bin/python tools/bench_segprop.py --only memory --batch 16 --size 224
+  .venv/bin/python tools/bench_segprop.py --only memory --batch 16 --size 224 --png memory.png
   .venv/bin/python tools/bench_segprop.py --only fashion --fashion-epochs 2
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,15 +35,30 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import edgetrain  # noqa: E402
+from edgetrain.checkpoint import atomic_write_json  # noqa: E402
 from edgetrain.data.batch import Batch  # noqa: E402
 from edgetrain.recipes import run_schedule  # noqa: E402
 from edgetrain.methods.segprop.flops import schedule_flops  # noqa: E402
 from edgetrain.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from edgetrain.models.resnet import ResNetConfig, build_resnet, resnet18_imagenet_config  # noqa: E402
 from edgetrain.probes.tensors import TensorAccountant  # noqa: E402
+from edgetrain.profiler.bench import (Arm, Column, format_table, measure_interleaved, ratios,  # noqa: E402
+                                      summarise, write_json, write_png)
+from edgetrain.progress import progress_bar  # noqa: E402
 
 MIB = 2**20
 SECTIONS = ("memory", "snapcheck", "flops", "digits", "fashion")
+TIME_COLUMNS = [Column("seconds", "step", 1.0, "s"), Column("steps_per_s", "speed", 1.0, "steps/s")]
+COMPARISONS: list[tuple[dict, str, dict, str, Column]] = []  # (summaries, baseline, samples, title, chart column)
+
+
+def compare(title: str, arms: list[Arm], baseline: str, columns: list[Column], repeats: int, warmup: int) -> dict:
+    """The arms in interleaved rounds; prints their table and keeps it for --json / --png."""
+    samples = measure_interleaved(arms, repeats=repeats, warmup=warmup, description=title.split(",")[0])
+    summaries = {a: summarise([{c.metric: s.get(c.metric) for c in columns} for s in t]) for a, t in samples.items()}
+    print("\n" + format_table(title, summaries, baseline, columns), flush=True)
+    COMPARISONS.append((summaries, baseline, samples, title, columns[-1]))
+    return summaries
 
 
 class MLPHead(nn.Module):
@@ -86,8 +100,7 @@ def measured_step(learner: edgetrain.Learner, batch: Batch) -> dict[str, int]:
     return {"weights": weights, "total": report.peak_bytes, "label": report.peak_label}
 
 
-def segprop_peaks(segments: int, head_blocks: int, checkpoint: bool, balance: str,
-                  batch: Batch) -> tuple[list[dict[str, int]], tuple[int, ...]]:
+def segprop_peaks(segments: int, head_blocks: int, checkpoint: bool, balance: str, batch: Batch) -> dict:
     peaks, split = [], ()
     for stage in range(segments):
         learner = edgetrain.Learner(resnet18(), method="segprop", optimizer="adamw", lr=1e-4, probe=False,
@@ -99,43 +112,33 @@ def segprop_peaks(segments: int, head_blocks: int, checkpoint: bool, balance: st
             learner.method.advance_stage()
         peaks.append(measured_step(learner, batch))
         learner.method.finish()
-        print(f"    seg={segments} {balance} stage {stage} ckpt={checkpoint}: {peaks[-1]['total'] / MIB:,.0f} MiB "
-              f"(peak in {peaks[-1]['label']})", file=sys.stderr, flush=True)
-    return peaks, split
+    return {**max(peaks, key=lambda peak: peak["total"]), "split": "/".join(map(str, split)),
+            "stages": [peak["total"] for peak in peaks]}
 
 
-def memory(args: argparse.Namespace) -> dict:
-    batch = images(args.batch, args.size)
-    print(f"\nPeak training memory, ResNet-18 (ImageNet stem) {args.size}x{args.size}, batch {args.batch}, AdamW "
-          f"(MiB by tensor accounting; x = ratio to bp with the same checkpointing; a SegProp row is its largest "
-          "stage, per-stage in brackets)")
-    rows, splits = {}, {}
+def memory(args: argparse.Namespace) -> None:
+    """One comparison per checkpointing setting, one round (tensor accounting is deterministic)."""
+    batch, plain = images(args.batch, args.size), None
     for checkpoint in [c == "on" for c in args.checkpointing]:
-        ref = measured_step(edgetrain.Learner(resnet18(), method="mebp" if checkpoint else "bp", optimizer="adamw",
-                                              lr=1e-4, probe=False), batch)
-        rows[("bp", checkpoint)] = [ref]
-        for balance in args.balance:
-            for segments in (2, 3, 4):
-                name = f"seg={segments}" + (", memory" if balance == "memory" else "")
-                rows[(name, checkpoint)], splits[name] = segprop_peaks(segments, 3, checkpoint, balance, batch)
-    weights = next(iter(rows.values()))[0]["weights"]
-    print(f"{'setting':<34}{'ckpt':>5}{'peak MiB':>10}{'x bp':>6}{'x bp no ckpt':>13}  split    per-stage MiB")
-    table = {}
-    for (name, checkpoint), cells in rows.items():
-        peak = max(c["total"] for c in cells)
-        ref = rows[("bp", checkpoint)][0]["total"]
-        base = rows[("bp", False)][0]["total"] if ("bp", False) in rows else float("nan")
-        label = "Vanilla BP (E2E)" if name == "bp" else f"SegProp ({name}, GH=3)"
-        split = "" if name == "bp" else "/".join(map(str, splits[name]))
-        stages = "" if name == "bp" else "[" + ", ".join(f"{c['total'] / MIB:,.0f}" for c in cells) + "]"
-        print(f"{label:<34}{'on' if checkpoint else 'off':>5}{peak / MIB:>10,.0f}{peak / ref:>6.2f}"
-              f"{peak / base:>13.2f}  {split:<8} {stages}")
-        table[f"{name} ckpt={'on' if checkpoint else 'off'}"] = {"peak_mib": peak / MIB, "x_bp": peak / ref,
-                                                                  "x_bp_no_ckpt": peak / base, "split": split}
-    print(f"(weights + buffers: {weights / MIB:,.0f} MiB of every cell; split = blocks per body segment, the first "
-          "with the stem, 0 = the stem alone; 'memory' = balance='memory'. The paper's ResNet-101 Table 1 without "
-          "checkpointing: 1.00 / 0.76 / 0.68 / 0.65)")
-    return table
+        arms = [Arm("bp", lambda c=checkpoint: measured_step(edgetrain.Learner(
+            resnet18(), method="mebp" if c else "bp", optimizer="adamw", lr=1e-4, probe=False), batch))] + [
+            Arm(f"seg={segments}" + (", memory" if balance == "memory" else ""),
+                lambda s=segments, b=balance, c=checkpoint: segprop_peaks(s, 3, c, b, batch))
+            for balance in args.balance for segments in (2, 3, 4)]
+        summaries = compare(f"Peak training memory, ResNet-18 (ImageNet stem) {args.size}x{args.size}, batch "
+                            f"{args.batch}, AdamW, checkpointing {'on (bp: mebp)' if checkpoint else 'off'}",
+                            arms, "bp", [Column("total", "peak", MIB, "MiB")], 1, 0)
+        samples = COMPARISONS[-1][2]
+        for arm, (sample, *_) in list(samples.items())[1:]:
+            print(f"  {arm} (GH=3, its largest stage): split {sample['split']}, per stage [" + ", ".join(
+                f"{b / MIB:,.0f}" for b in sample["stages"]) + f"] MiB, peak in {sample['label']}")
+        plain = plain if checkpoint else summaries["bp"]["total"].median
+        if checkpoint and plain:
+            print("  vs bp without checkpointing: " + ", ".join(
+                f"{arm} {by['total'].median / plain:.2f}x" for arm, by in summaries.items()))
+    print(f"(weights + buffers: {samples['bp'][0]['weights'] / MIB:,.0f} MiB of every cell; split = blocks per body "
+          "segment, the first with the stem, 0 = the stem alone; 'memory' = balance='memory'. The paper's ResNet-101 "
+          "Table 1 without checkpointing: 1.00 / 0.76 / 0.68 / 0.65)")
 
 
 # -- SnapCheck ---------------------------------------------------------------------------------------------
@@ -156,34 +159,28 @@ class FixedBatches:
             index += 1
 
 
-def snapcheck(args: argparse.Namespace) -> dict:
-    """Both learners step in turn (without, with, without, ...) so that a busy machine slows both alike."""
+def snapcheck(args: argparse.Namespace) -> None:
+    """Both learners step in interleaved rounds; the first epoch (it fills the cache) is the warm-up."""
     batches = [images(args.batch, args.size, seed=i) for i in range(args.snap_batches)]
-    learners, streams, seconds = {}, {}, {False: [], True: []}
+    learners = {}
     for cached in (False, True):
         learner = edgetrain.Learner(resnet18(), method="segprop", optimizer="adamw", lr=1e-4, probe=False,
                                     method_options={"head_blocks": 3, "segments": 4, "snapcheck": cached,
-                                                    "snapcheck_period": len(batches),
-                                                    "snapcheck_budget": "4GiB"})
+                                                    "snapcheck_period": len(batches), "snapcheck_budget": "4GiB"})
         for _ in range(learner.method.num_stages - 1):
             learner.method.advance_stage()
-        learners[cached], streams[cached] = learner, iter(FixedBatches(batches))
-    for step in range(len(batches) * (1 + args.snap_epochs)):
-        for cached in (False, True):
-            stats = learners[cached].step(next(streams[cached]))
-            if step >= len(batches):   # the first epoch fills the cache
-                seconds[cached].append(stats.seconds)
-    timings = {cached: statistics.median(values) for cached, values in seconds.items()}
-    cache_stats = learners[True].method.snapcheck.stats()
-    for learner in learners.values():
+        learners[cached] = (learner, iter(FixedBatches(batches)))
+
+    def step(cached: bool) -> dict:
+        seconds = learners[cached][0].step(next(learners[cached][1])).seconds
+        return {"seconds": seconds, "steps_per_s": 1 / seconds}
+    compare(f"SnapCheck, ResNet-18 {args.size}x{args.size} batch {args.batch}, last stage of seg=4, GH=3 (frozen: stem "
+            f"+ blocks 0-3), {len(batches)} batches in a fixed order, {args.snap_epochs} epochs after the first",
+            [Arm("without SnapCheck", lambda: step(False)), Arm("with SnapCheck", lambda: step(True))],
+            "without SnapCheck", TIME_COLUMNS, repeats=len(batches) * args.snap_epochs, warmup=len(batches))
+    print(f"  SnapCheck {learners[True][0].method.snapcheck.stats()}")
+    for learner, _ in learners.values():
         learner.method.finish()
-    print(f"    SnapCheck {cache_stats}", file=sys.stderr)
-    print(f"\nSnapCheck, ResNet-18 {args.size}x{args.size} batch {args.batch}, last stage of seg=4, GH=3 (frozen: stem "
-          f"+ blocks 0-3), {len(batches)} batches in a fixed order, median step over {args.snap_epochs} epochs after "
-          "the first (runs interleaved):")
-    print(f"  without SnapCheck {timings[False]:.3f} s   with SnapCheck {timings[True]:.3f} s   "
-          f"speed-up {timings[False] / timings[True]:.2f}x")
-    return {"without_s": timings[False], "with_s": timings[True], "speedup": timings[False] / timings[True]}
 
 
 # -- FLOPs -------------------------------------------------------------------------------------------------
@@ -232,12 +229,11 @@ def digits(args: argparse.Namespace) -> dict:
     from test_segprop_digits import RECIPE, train_digits
 
     results = {m: [] for m in ("bp", "lw", "segprop")}
-    for seed in range(args.seeds):
-        for method in results:
-            started = time.perf_counter()
-            results[method].append(train_digits(method, seed=seed))
-            print(f"    digits seed {seed} {method}: {results[method][-1]:.4f} "
-                  f"({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+    with progress_bar(args.seeds * len(results), description="digits", unit="run") as bar:
+        for seed in range(args.seeds):
+            for method in results:
+                results[method].append(train_digits(method, seed=seed))
+                bar.update()
     print(f"\nDigits test accuracy ({RECIPE}), {args.seeds} seeds:")
     print(f"{'method':<10}" + "".join(f"{'seed ' + str(s):>9}" for s in range(args.seeds)) + f"{'mean':>9}")
     for method, accs in results.items():
@@ -264,20 +260,20 @@ def fashion(args: argparse.Namespace) -> dict | None:
     # as many passes as a whole staged schedule instead.
     epochs = {"bp": args.fashion_bp_epochs or args.fashion_epochs, "lw": args.fashion_epochs,
               "segprop": args.fashion_epochs}
-    for method in args.fashion_methods:
-        options = plans[method]
-        model = build_resnet(ResNetConfig(num_classes=10, in_channels=1, stem="cifar"))
-        model.head = MLPHead(512, 512, 10)
-        train_x, train_y = load_fashion_mnist("train", image=True)
-        if args.fashion_train:
-            train_x, train_y = train_x[:args.fashion_train], train_y[:args.fashion_train]
-        stream = ArrayStream(train_x, train_y, batch_size=args.fashion_batch, shuffle=True, seed=0)
-        started = time.perf_counter()
-        result = run_schedule(model, stream, method, epochs_per_stage=epochs[method], optimizer="adamw",
-                              lr=args.fashion_lr, optimizer_options={"weight_decay": 0.01}, eval_batches=test,
-                              **options)
-        out[method] = result.final["accuracy"]
-        print(f"    fashion {method}: {out[method]:.4f} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    with progress_bar(len(args.fashion_methods), description="fashion", unit="method") as bar:
+        for method in args.fashion_methods:
+            options = plans[method]
+            model = build_resnet(ResNetConfig(num_classes=10, in_channels=1, stem="cifar"))
+            model.head = MLPHead(512, 512, 10)
+            train_x, train_y = load_fashion_mnist("train", image=True)
+            if args.fashion_train:
+                train_x, train_y = train_x[:args.fashion_train], train_y[:args.fashion_train]
+            stream = ArrayStream(train_x, train_y, batch_size=args.fashion_batch, shuffle=True, seed=0)
+            result = run_schedule(model, stream, method, epochs_per_stage=epochs[method], optimizer="adamw",
+                                  lr=args.fashion_lr, optimizer_options={"weight_decay": 0.01}, eval_batches=test,
+                                  **options)
+            out[method] = result.final["accuracy"]
+            bar.update()
     print(f"\nFashion-MNIST test accuracy, ResNet-18 (MLP head), {args.fashion_epochs} epochs per stage, batch "
           f"{args.fashion_batch}, AdamW {args.fashion_lr:g}, the first {args.fashion_train or 60000} training / "
           f"{len(test_x)} test images: "
@@ -308,16 +304,19 @@ def main() -> int:
     parser.add_argument("--fashion-test", type=int, default=0, help="evaluate on the first N test images (0 = all)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--png", help="bar chart of the headline comparison (memory, else SnapCheck)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    sections = args.only or ["memory", "snapcheck", "flops", "digits"]
-    figures = {}
-    for section in SECTIONS:
-        if section in sections:
-            figures[section] = globals()[section](args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
+    figures = {s: globals()[s](args) for s in SECTIONS if s in (args.only or SECTIONS[:4])}
+    if args.json and not COMPARISONS:  # nothing compared (flops, accuracy only): the figures alone
+        atomic_write_json(figures, args.json)
+    elif args.json:
+        write_json(args.json, *COMPARISONS[0][:3], headline=COMPARISONS[0][3], figures=figures, settings=vars(args),
+                   comparisons={t: {"baseline": b, "ratios": ratios(x, b), "samples": y}
+                                for x, b, y, t, _ in COMPARISONS})
+    if args.png and COMPARISONS:
+        write_png(args.png, *COMPARISONS[0][:2], COMPARISONS[0][4], title=COMPARISONS[0][3].split(",")[0])
     return 0
 
 

@@ -7,7 +7,8 @@
             gradient + optimizer bytes (counted), peak resident memory above the pre-model baseline
             (measured: Linux VmHWM via edgetrain.probes.LinuxProbe, glibc mmap threshold pinned), bytes
             handed to all_reduce per step and the bytes a ring all-reduce sends for them, median
-            seconds per step. Table cells are the mean over ranks (max in brackets where ranks differ).
+            seconds per step. Each value is the mean over ranks (also the max where ranks differ); runs are arms
+            of edgetrain.profiler.bench (--repeats interleaved rounds: median, spread, ratios to DP).
   accuracy  scikit-learn digits (or Fashion-MNIST with --dataset), the layout of the paper's Table 1:
             NM and BM rows, P/N columns, at equal epochs and FLOP-matched (epochs x N/P), next to a
             single-worker stochastic-depth baseline with survival P/N (same global batch, schedule and
@@ -18,7 +19,7 @@
             same batch (blocks.1.conv1, and all masked parameters), mean over workers, during training.
 
   .venv/bin/python tools/bench_subnet_dp.py                    # everything (long on 2 cores)
-  .venv/bin/python tools/bench_subnet_dp.py --only systems --workers 8 --steps 8
+  .venv/bin/python tools/bench_subnet_dp.py --only systems --workers 8 --steps 8 --png systems.png
   .venv/bin/python tools/bench_subnet_dp.py --only accuracy --epochs 10
   .venv/bin/python tools/bench_subnet_dp.py --only accuracy --dataset fashion-mnist --train-limit 2048 \
       --test-limit 2000 --epochs 1.5 --matching flop
@@ -26,11 +27,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from dataclasses import replace
 from typing import Any
@@ -44,8 +43,20 @@ from edgetrain.distributed.subnet.run import launch_local, load_data  # noqa: E4
 from edgetrain.distributed.subnet.trainer import (SubnetDPConfig, train_simulated,  # noqa: E402
                                                   train_stochastic_depth)
 from edgetrain.models.resnet_subnet import digits_subnet_config  # noqa: E402
+from edgetrain.checkpoint import atomic_write_json  # noqa: E402
+from edgetrain.profiler.bench import (Arm, Column, format_table, measure_interleaved, summarise,  # noqa: E402
+                                      write_json, write_png)
+from edgetrain.progress import progress_bar  # noqa: E402
 
 MIB = 2**20
+DP = "subnet_dp P=N (DP)"
+MEMORY_COLUMNS = [Column("parameters", "params/rank", 1e6, "M"), Column("param_opt_ratio", "param+opt / full"),
+                  Column("param_opt_ratio_max", "param+opt / full, max rank"),
+                  Column("state_bytes", "param+grad+opt", MIB, "MiB"), Column("peak_rss", "peak RSS", MIB, "MiB"),
+                  Column("peak_rss_max", "peak RSS, max rank", MIB, "MiB")]
+TRAFFIC_COLUMNS = [Column("payload_bytes", "all-reduce", MIB, "MiB/step"), Column("wire_bytes", "ring-sent", MIB,
+                                                                                 "MiB/step"),
+                   Column("seconds_per_step", "step", 1.0, "s")]
 RATIOS = {1.0: 8, 0.75: 6, 0.5: 4, 0.375: 3}  # P/N -> P for N = 8
 
 
@@ -56,61 +67,39 @@ def systems(args: argparse.Namespace) -> dict[str, Any]:
     base = ["--dataset", "random-cifar", "--train-limit", str(max(256, args.batch * n * (args.steps + 1))),
             "--max-steps", str(args.steps), "--batch-size", str(args.batch), "--width", str(args.width),
             "--memory", "--no-eval", "--lr", "0.05"]
-    runs: list[tuple[str, float, list[str]]] = [("torch DDP", 1.0, ["--ddp"]), ("subnet_dp P=N (DP)", 1.0, [])]
+    runs: list[tuple[str, float, list[str]]] = [("torch DDP", 1.0, ["--ddp"]), (DP, 1.0, [])]
     for ratio in sorted(args.ratios, reverse=True):
         p = max(1, round(ratio * n))
         if p == n:
             continue
         for masking in ("neuron", "block"):
             runs.append((f"{masking} P={p}", p / n, ["--masking", masking, "--overlap", str(p)]))
-    rows = []
-    for label, ratio, extra in runs:
-        start = time.time()
-        results = launch_local(n, [*base, *extra], timeout=args.timeout)
-        rows.append(_summarise(label, ratio, results))
-        print(f"  {label}: {time.time() - start:.0f}s", file=sys.stderr, flush=True)
-    return {"workers": n, "batch_per_worker": args.batch, "width": args.width, "steps": args.steps, "rows": rows}
+    arms = [Arm(label, lambda ratio=ratio, extra=extra: per_rank(ratio, launch_local(n, [*base, *extra],
+                                                                                      timeout=args.timeout)))
+            for label, ratio, extra in runs]
+    samples = measure_interleaved(arms, repeats=args.repeats, warmup=0, description="systems")
+    summaries = {label: summarise(taken) for label, taken in samples.items()}
+    head = (f"Systems: ResNet-18 (width {args.width}, GroupNorm 2), N={n} gloo processes on localhost, batch "
+            f"{args.batch}/rank, {args.steps} steps; mean over ranks")
+    print(format_table(f"{head}: memory", summaries, DP, MEMORY_COLUMNS) + "\n\n"
+          + format_table(f"{head}: traffic and time", summaries, DP, TRAFFIC_COLUMNS))
+    return {"workers": n, "batch_per_worker": args.batch, "width": args.width, "steps": args.steps,
+            "p_over_n": {label: ratio for label, ratio, _ in runs}, "summaries": summaries, "samples": samples}
 
 
-def _summarise(label: str, ratio: float, results: list[dict[str, Any]]) -> dict[str, Any]:
-    def stat(values: list[float]) -> dict[str, float]:
-        return {"mean": statistics.fmean(values), "max": max(values), "min": min(values)}
-
-    held = [sum(r["state_bytes"].values()) for r in results]
-    param_opt = [r["state_bytes"]["parameters"] + r["state_bytes"]["optimizer"] for r in results]
+def per_rank(ratio: float, results: list[dict[str, Any]]) -> dict[str, float]:
+    """One run's sample: the mean over ranks of each figure (and the largest rank's param+opt and peak RSS)."""
     full = results[0]["full_state_bytes"]
-    return {"label": label, "p_over_n": ratio,
-            "parameters": stat([r["worker_parameters"] for r in results]),
-            "full_parameters": results[0]["full_parameters"],
-            "param_opt_ratio": stat([b / (full["parameters"] + full["optimizer"]) for b in param_opt]),
-            "state_bytes": stat(held),
-            "peak_rss_above_baseline": stat([r["memory"].get("peak_above_baseline_bytes", float("nan"))
-                                             for r in results]),
-            "payload_bytes": stat([r["payload_bytes_per_step"] for r in results]),
-            "wire_bytes": stat([r["wire_bytes_per_step"] for r in results]),
-            "seconds_per_step": stat([r["seconds_per_step"] for r in results])}
-
-
-def systems_table(found: dict[str, Any]) -> str:
-    rows = found["rows"]
-    dp = next(r for r in rows if r["label"].startswith("subnet_dp P=N"))
-    head = (f"Systems: ResNet-18 (width {found['width']}, GroupNorm 2), N={found['workers']} gloo processes on "
-            f"localhost, batch {found['batch_per_worker']}/rank, {found['steps']} steps; mean over ranks [max]\n")
-    cols = ("run", "P/N", "params/rank", "param+opt x", "param+opt MiB", "peak RSS MiB (x DP)", "all-reduce MiB",
-            "ring-sent MiB", "s/step (x DP)")
-    lines = [head, "  ".join(f"{c:>18}" if i else f"{c:<20}" for i, c in enumerate(cols))]
-    for r in rows:
-        peak, seconds = r["peak_rss_above_baseline"], r["seconds_per_step"]
-        peak_x = peak["mean"] / dp["peak_rss_above_baseline"]["mean"]
-        seconds_x = seconds["mean"] / dp["seconds_per_step"]["mean"]
-        cells = [f"{r['p_over_n']:.3f}", f"{r['parameters']['mean'] / 1e6:.2f}M",
-                 f"{r['param_opt_ratio']['mean']:.3f} [{r['param_opt_ratio']['max']:.3f}]",
-                 f"{r['state_bytes']['mean'] / MIB:.1f}",
-                 f"{peak['mean'] / MIB:.1f} [{peak['max'] / MIB:.1f}] ({peak_x:.2f})",
-                 f"{r['payload_bytes']['mean'] / MIB:.1f}", f"{r['wire_bytes']['mean'] / MIB:.1f}",
-                 f"{seconds['mean']:.3f} ({seconds_x:.2f})"]
-        lines.append(f"{r['label']:<20}  " + "  ".join(f"{c:>18}" for c in cells))
-    return "\n".join(lines)
+    peaks = [r["memory"].get("peak_above_baseline_bytes", float("nan")) for r in results]
+    param_opt = [(r["state_bytes"]["parameters"] + r["state_bytes"]["optimizer"])
+                 / (full["parameters"] + full["optimizer"]) for r in results]
+    mean = lambda key: statistics.fmean(key(r) for r in results)  # noqa: E731
+    return {"p_over_n": ratio, "parameters": mean(lambda r: r["worker_parameters"]),
+            "param_opt_ratio": statistics.fmean(param_opt), "param_opt_ratio_max": max(param_opt),
+            "state_bytes": mean(lambda r: sum(r["state_bytes"].values())), "peak_rss": statistics.fmean(peaks),
+            "peak_rss_max": max(peaks), "payload_bytes": mean(lambda r: r["payload_bytes_per_step"]),
+            "wire_bytes": mean(lambda r: r["wire_bytes_per_step"]),
+            "seconds_per_step": mean(lambda r: r["seconds_per_step"])}
 
 
 # -- accuracy ----------------------------------------------------------------------------------------
@@ -128,13 +117,6 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
         return SubnetDPConfig(masking=masking, overlap=p, epochs=args.epochs, flop_matched=flop_matched,
                               batch_size=args.accuracy_batch, lr=args.lr, mask_seed=seed, data_seed=seed,
                               scheduler=args.scheduler, load_slack=args.load_slack if masking == "block" else None)
-
-    def run(key: str, fn) -> None:
-        start = time.time()
-        values = [fn(seed) for seed in seeds]
-        cells[key] = {name: [v[name] for v in values] for name in values[0]}
-        shown = ", ".join(f"{k} {statistics.fmean(v):.4f}" for k, v in cells[key].items())
-        print(f"  {key}: {shown} ({time.time() - start:.0f}s)", file=sys.stderr, flush=True)
 
     def subnet_cell(masking: str, p: int, flop_matched: bool):
         def one(seed: int) -> dict[str, float]:
@@ -158,9 +140,9 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
             return best
         return one
 
-    rows = set(args.rows)
+    rows, jobs = set(args.rows), {}
     if "DP" in rows:
-        run("DP", subnet_cell("block", n, True))
+        jobs["DP"] = subnet_cell("block", n, True)
     for ratio in args.ratios:
         p = RATIOS.get(ratio, max(1, round(ratio * n)))
         if p == n:
@@ -168,11 +150,19 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
         for flop_matched in {"equal": (False,), "flop": (True,), "both": (False, True)}[args.matching]:
             tag = "flop" if flop_matched else "equal"
             if "NM" in rows:
-                run(f"NM {ratio} {tag}", subnet_cell("neuron", p, flop_matched))
+                jobs[f"NM {ratio} {tag}"] = subnet_cell("neuron", p, flop_matched)
             if "BM" in rows:
-                run(f"BM {ratio} {tag}", subnet_cell("block", p, flop_matched))
+                jobs[f"BM {ratio} {tag}"] = subnet_cell("block", p, flop_matched)
             if "SD" in rows:
-                run(f"SD {ratio} {tag}", sd_cell(p, flop_matched))
+                jobs[f"SD {ratio} {tag}"] = sd_cell(p, flop_matched)
+    with progress_bar(len(jobs) * len(seeds), description="accuracy", unit="run") as bar:
+        for key, fn in jobs.items():
+            values = []
+            for seed in seeds:
+                values.append(fn(seed))
+                bar.update()
+            cells[key] = {name: [v[name] for v in values] for name in values[0]}
+            bar.set_postfix_str(f"{key}: " + ", ".join(f"{k} {statistics.fmean(v):.4f}" for k, v in cells[key].items()))
     return {"dataset": args.dataset, "train_size": len(train[0]), "test_size": len(test[0]), "epochs": args.epochs,
             "seeds": seeds, "load_slack": args.load_slack, "lr": args.lr, "sd_lrs": args.sd_lrs,
             "scheduler": args.scheduler,
@@ -223,21 +213,22 @@ def alignment(args: argparse.Namespace) -> dict[str, Any]:
     model_config = digits_subnet_config(in_channels=train[0].shape[1])
     probe_x, probe_y = train[0][:128], train[1][:128]
     curves: dict[str, list[tuple[int, float | None, float | None]]] = {}
-    for ratio in (0.75, 0.375):
-        p = RATIOS[ratio]
-        for masking in ("neuron", "block"):
-            points: list[tuple[int, float | None, float | None]] = []
+    with progress_bar(4, description="alignment", unit="run") as bar:
+        for ratio in (0.75, 0.375):
+            p = RATIOS[ratio]
+            for masking in ("neuron", "block"):
+                points: list[tuple[int, float | None, float | None]] = []
 
-            def record(step: int, model, method, points=points) -> None:
-                if step % args.align_every == 0:
-                    values = mean_alignment(model, method.plan, probe_x, probe_y)
-                    points.append((step, values["blocks.1.conv1.weight"], values["all"]))
+                def record(step: int, model, method, points=points) -> None:
+                    if step % args.align_every == 0:
+                        values = mean_alignment(model, method.plan, probe_x, probe_y)
+                        points.append((step, values["blocks.1.conv1.weight"], values["all"]))
 
-            config = SubnetDPConfig(masking=masking, overlap=p, epochs=args.align_epochs, flop_matched=False,
-                                    batch_size=args.accuracy_batch, lr=args.lr)
-            train_simulated(model_config, train, None, config, 8, on_step=record)
-            curves[f"{'NM' if masking == 'neuron' else 'BM'} P/N={ratio}"] = points
-            print(f"  alignment {masking} {ratio}: {len(points)} points", file=sys.stderr, flush=True)
+                config = SubnetDPConfig(masking=masking, overlap=p, epochs=args.align_epochs, flop_matched=False,
+                                        batch_size=args.accuracy_batch, lr=args.lr)
+                train_simulated(model_config, train, None, config, 8, on_step=record)
+                curves[f"{'NM' if masking == 'neuron' else 'BM'} P/N={ratio}"] = points
+                bar.update()
     return {"every": args.align_every, "curves": curves}
 
 
@@ -286,18 +277,26 @@ def main() -> int:
     parser.add_argument("--align-epochs", type=float, default=10)
     parser.add_argument("--align-every", type=int, default=25)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--repeats", type=int, default=1, help="systems: interleaved rounds of the runs")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--png", type=Path, default=None, help="systems: bar chart of peak RSS / DP")
     args = parser.parse_args()
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads", flush=True)
     found: dict[str, Any] = {}
-    for part, (run, table) in {"systems": (systems, systems_table), "accuracy": (accuracy, accuracy_table),
+    for part, (run, table) in {"systems": (systems, None), "accuracy": (accuracy, accuracy_table),
                                "alignment": (alignment, alignment_table)}.items():
         if args.only in (None, part):
             found[part] = run(args)
-            print(table(found[part]) + "\n", flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps(found, indent=1))
+            print(table(found[part]) + "\n" if table else "", flush=True)
+    systems_found = found.pop("systems", None)
+    if args.json is not None and systems_found:
+        write_json(args.json, systems_found["summaries"], DP, systems_found["samples"], **found,
+                   systems={k: v for k, v in systems_found.items() if k not in ("summaries", "samples")})
+    elif args.json is not None:
+        atomic_write_json(found, args.json)
+    if args.png is not None and systems_found:
+        write_png(args.png, systems_found["summaries"], DP, MEMORY_COLUMNS[3], title="peak RSS per rank")
     return 0
 
 
