@@ -70,6 +70,8 @@ def _formats() -> list[tuple[str, str]]:
             for runtime, module in zip(RUNTIMES, ("executorch", "onnxruntime"))]
     rows.append(("adapter: edgetrain", "LoRA adapter as .safetensors with its config (torch)"))
     rows.append(("adapter: mlx-lm", "mlx-lm adapter directory (adapters.safetensors + adapter_config.json)"))
+    rows.append(("adapter: peft", "Hugging Face PEFT LoRA directory (adapter_config.json + adapter_model.safetensors; "
+                                  "edgetrain.adapters.peft, --adapter of generate and eval)"))
     return rows
 
 

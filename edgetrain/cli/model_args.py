@@ -12,7 +12,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="torch-cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--adapter", default=None,
-                        help="a LoRA adapter to apply (what edgetrain train --save-adapter wrote)")
+                        help="a LoRA adapter to apply: edgetrain's .safetensors (what train --save-adapter "
+                             "wrote) or a PEFT adapter directory")
 
 
 def load_model_and_adapter(args: argparse.Namespace) -> Any:
@@ -30,5 +31,10 @@ def load_model_and_adapter(args: argparse.Namespace) -> Any:
     if getattr(model, "task", None) != "lm":
         raise EdgetrainError(f"--model {args.model}: a {type(model).__name__} is not a language model")
     if args.adapter is not None:
-        edgetrain.load_lora(model, args.adapter)
+        from edgetrain.adapters.peft import is_peft_adapter, load_peft_adapter
+
+        if is_peft_adapter(args.adapter):
+            load_peft_adapter(model, args.adapter)
+        else:
+            edgetrain.load_lora(model, args.adapter)
     return model

@@ -233,19 +233,26 @@ def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
     tensors, metadata = load_safetensors_checked(path)
     if "lora_config" not in metadata:
         raise AdapterError(f"{path}: not a LoRA adapter file (no lora_config in its metadata)")
-    config = LoraConfig.from_json(metadata["lora_config"], str(path))
+    return install_adapter(model, LoraConfig.from_json(metadata["lora_config"], str(path)), tensors, path)
+
+
+def install_adapter(model: nn.Module, config: LoraConfig, tensors: dict[str, torch.Tensor],
+                    source: str | Path) -> nn.Module:
+    """Put adapter `tensors` (edgetrain names) with `config` into `model`, whatever file format they came
+    from: adapters are added when the model has none, else must have the same config; the tensors must be
+    exactly the model's adapter tensors, finite, of the right shapes. All or nothing."""
     existing = getattr(model, "lora_config", None) if lora_layers(model) else None
     if existing is not None:
         differ = [f"{field} {getattr(config, field)!r} (the model's: {getattr(existing, field)!r})"
                   for field in ("rank", "alpha", "targets") if getattr(config, field) != getattr(existing, field)]
         if differ:
-            raise AdapterError(f"{path}: the adapter's LoRA config differs from the model's adapters: "
+            raise AdapterError(f"{source}: the adapter's LoRA config differs from the model's adapters: "
                                + "; ".join(differ))
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     if existing is None:
         add_lora(model, config)
     try:
-        _check_adapter_tensors(tensors, lora_state_dict(model), path)
+        _check_adapter_tensors(tensors, lora_state_dict(model), source)
     except AdapterError:
         if existing is None:
             remove_lora(model, requires_grad)
