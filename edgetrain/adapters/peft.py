@@ -53,21 +53,27 @@ def edgetrain_key(name: str, source: str | Path) -> str:
 def save_peft_adapter(model: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
     """Write the model's LoRA adapter as a PEFT adapter directory (atomically: the old directory or the
     whole new one). `base_model` is recorded as base_model_name_or_path (PEFT uses it only as a hint)."""
+    config: LoraConfig | None = getattr(model, "lora_config", None)
+    if config is None:
+        raise AdapterError("the model has no LoRA adapter to save")
+    return write_peft_adapter(config, lora_state_dict(model), directory, base_model)
+
+
+def write_peft_adapter(config: LoraConfig, tensors: dict[str, torch.Tensor], directory: str | Path,
+                       base_model: str | None = None) -> Path:
+    """Adapter `tensors` (edgetrain names) with `config` as a PEFT adapter directory, written atomically."""
     from safetensors.torch import save_file
 
     from edgetrain.checkpoint import atomic_write_directory
 
-    config: LoraConfig | None = getattr(model, "lora_config", None)
-    if config is None:
-        raise AdapterError("the model has no LoRA adapter to save")
-    tensors = {peft_key(name): t.detach().to("cpu").contiguous() for name, t in lora_state_dict(model).items()}
+    renamed = {peft_key(name): t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
                    "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout,
                    "target_modules": sorted(PEFT_MODULE[t] for t in config.targets), "inference_mode": True,
                    **_MUST_BE_OFF}
 
     def fill(staging: Path) -> None:
-        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(renamed, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2))
 
     return atomic_write_directory(directory, fill)
@@ -99,10 +105,9 @@ def _config_from_peft(raw: Any, source: Path) -> LoraConfig:
         raise AdapterError(f"{source}: {exc}") from None
 
 
-def load_peft_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
-    """Read a PEFT LoRA adapter directory into `model` (adapters added when it has none). Its config must
-    describe plain LoRA on decoder projections; its tensors must be exactly the adapter's, finite and of
-    the model's shapes. All or nothing: on any error the model is as it was."""
+def read_peft_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor], Path]:
+    """(config, tensors under edgetrain's names, the weights file) of a PEFT LoRA adapter directory, whose
+    config must describe plain LoRA on decoder projections."""
     from edgetrain.checkpoint import readable_directory
     from edgetrain.user_files import read_json_object
 
@@ -118,11 +123,23 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
         raw = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own error types for a damaged file
         raise AdapterError(f"{weights_path}: cannot read the adapter weights ({exc})") from None
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in raw.items():
-        tensors[edgetrain_key(name, weights_path)] = tensor
+    return config, {edgetrain_key(name, weights_path): tensor for name, tensor in raw.items()}, weights_path
+
+
+def load_peft_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Read a PEFT LoRA adapter directory into `model` (adapters added when it has none). Its config must
+    describe plain LoRA on decoder projections; its tensors must be exactly the adapter's, finite and of
+    the model's shapes. All or nothing: on any error the model is as it was."""
+    config, tensors, weights_path = read_peft_adapter(directory)
     return install_adapter(model, config, tensors, weights_path)
 
 
 def is_peft_adapter(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / CONFIG_FILE).is_file()
+    """A directory whose adapter_config.json says peft_type (mlx-lm's says fine_tune_type instead)."""
+    config = Path(path) / CONFIG_FILE
+    if not (Path(path).is_dir() and config.is_file()):
+        return False
+    try:
+        return "peft_type" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return True  # a damaged PEFT config: let read_peft_adapter say what is wrong with it

@@ -13,7 +13,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--adapter", default=None,
                         help="a LoRA adapter to apply: edgetrain's .safetensors (what train --save-adapter "
-                             "wrote) or a PEFT adapter directory")
+                             "wrote), a PEFT or an mlx-lm adapter directory")
 
 
 def load_model_and_adapter(args: argparse.Namespace) -> Any:
@@ -31,10 +31,7 @@ def load_model_and_adapter(args: argparse.Namespace) -> Any:
     if getattr(model, "task", None) != "lm":
         raise EdgetrainError(f"--model {args.model}: a {type(model).__name__} is not a language model")
     if args.adapter is not None:
-        from edgetrain.adapters.peft import is_peft_adapter, load_peft_adapter
+        from edgetrain.adapters.convert import load_adapter
 
-        if is_peft_adapter(args.adapter):
-            load_peft_adapter(model, args.adapter)
-        else:
-            edgetrain.load_lora(model, args.adapter)
+        load_adapter(model, args.adapter)  # edgetrain file, PEFT or mlx-lm directory: detected
     return model
