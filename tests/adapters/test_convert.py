@@ -68,3 +68,22 @@ def test_unknown_paths_and_formats_are_refused(adapter_file, tmp_path):
     (tmp_path / "plain.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(edgetrain.EdgetrainError):
         read_adapter(tmp_path / "plain.safetensors")
+
+
+def test_load_model_takes_an_adapter_of_any_format_on_torch_and_mlx(adapter_file, tmp_path):
+    path, expected = adapter_file
+    peft_dir = convert_adapter(path, tmp_path / "peft", "peft")
+    for source in (path, peft_dir):
+        assert _same(lora_state_dict(edgetrain.load_model("tiny", adapter=source)), expected)
+    mx = pytest.importorskip("mlx.core")
+    import numpy as np
+
+    from edgetrain.backends.mlx.lora import trainable_parameters
+
+    mlx_model = edgetrain.load_model("tiny", backend="mlx", adapter=peft_dir)
+    got = {name: np.array(value.astype(mx.float32)) for name, value in trainable_parameters(mlx_model).items()}
+    for name, tensor in expected.items():
+        head, _, part = name.rpartition(".")
+        assert np.array_equal(got[f"{head}.{part.lower()}"], tensor.float().numpy().T)
+    with pytest.raises(AdapterError):
+        edgetrain.load_model("tiny", adapter=tmp_path / "missing")

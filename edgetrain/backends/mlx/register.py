@@ -49,5 +49,6 @@ if "mlx" not in BACKENDS:
         profiler="edgetrain.backends.mlx.profile:profile_method_mlx",
         add_lora="edgetrain.backends.mlx.lora:add_lora",
         save_adapter="edgetrain.backends.mlx.adapters:save_mlx_lm_adapters",  # an mlx-lm adapter directory
+        adapter_loader="edgetrain.adapters.convert:load_adapter_into_mlx",
         adapter_is_directory=True, quantized_base=True, loads_gguf=False,
         reads_text_out=False))
