@@ -4,14 +4,13 @@ into (config, tensors under edgetrain's names) and writes the target from that, 
 copied exactly (mlx-lm stores them transposed, in float32)."""
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from edgetrain.models.lora import AdapterError, LoraConfig
+from edgetrain.models.lora import AdapterError, LoraConfig, read_lora_file, write_lora_file
 
 from edgetrain.adapters.formats import FORMATS  # noqa: E402  (re-exported)
 
@@ -32,21 +31,11 @@ def detect_format(path: str | Path) -> str:
 
 
 def _read_edgetrain(path: Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
-    from edgetrain.checkpoint import load_safetensors_checked
-
-    tensors, metadata = load_safetensors_checked(path)
-    if "lora_config" not in metadata:
-        raise AdapterError(f"{path}: not an edgetrain LoRA adapter file (no lora_config in its metadata)")
-    return LoraConfig.from_json(metadata["lora_config"], str(path)), tensors
+    return read_lora_file(path)
 
 
 def _write_edgetrain(config: LoraConfig, tensors: dict[str, torch.Tensor], path: Path, base_model: str | None) -> Path:
-    from dataclasses import asdict
-
-    from edgetrain.checkpoint import atomic_save_safetensors
-
-    return atomic_save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path,
-                                   metadata={"lora_config": json.dumps(asdict(config))})
+    return write_lora_file(config, tensors, path)
 
 
 def _mlx_adapters():

@@ -181,13 +181,29 @@ def unmerge_lora(model: nn.Module) -> None:
 
 def save_lora(model: nn.Module, path: str | Path) -> Path:
     """Write only the adapter weights (safetensors, atomically) with the LoRA config in its metadata."""
-    from edgetrain.checkpoint import atomic_save_safetensors
-
     config = getattr(model, "lora_config", None)
     if config is None:
         raise EdgetrainError("model has no LoRA adapters to save")
-    tensors = {k: v.contiguous() for k, v in lora_state_dict(model).items()}
-    return atomic_save_safetensors(tensors, path, metadata={"lora_config": json.dumps(asdict(config))})
+    return write_lora_file(config, lora_state_dict(model), path)
+
+
+def write_lora_file(config: LoraConfig, tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
+    """edgetrain's adapter file: the tensors (edgetrain names) in safetensors, the config in its metadata,
+    written atomically."""
+    from edgetrain.checkpoint import atomic_save_safetensors
+
+    return atomic_save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path,
+                                   metadata={"lora_config": json.dumps(asdict(config))})
+
+
+def read_lora_file(path: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """(config, tensors) of an edgetrain adapter file, checksum verified."""
+    from edgetrain.checkpoint import load_safetensors_checked
+
+    tensors, metadata = load_safetensors_checked(path)
+    if "lora_config" not in metadata:
+        raise AdapterError(f"{path}: not a LoRA adapter file (no lora_config in its metadata)")
+    return LoraConfig.from_json(metadata["lora_config"], str(path)), tensors
 
 
 def remove_lora(model: nn.Module, requires_grad: dict[str, bool] | None = None) -> None:
@@ -228,12 +244,8 @@ def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
     Strict, and all or nothing: the file's config must equal the adapters the model already has (a
     different alpha would silently rescale every update), it must hold exactly the model's adapter
     tensors, and on any error the model is left as it was (adapters added here are removed again)."""
-    from edgetrain.checkpoint import load_safetensors_checked
-
-    tensors, metadata = load_safetensors_checked(path)
-    if "lora_config" not in metadata:
-        raise AdapterError(f"{path}: not a LoRA adapter file (no lora_config in its metadata)")
-    return install_adapter(model, LoraConfig.from_json(metadata["lora_config"], str(path)), tensors, path)
+    config, tensors = read_lora_file(path)
+    return install_adapter(model, config, tensors, path)
 
 
 def install_adapter(model: nn.Module, config: LoraConfig, tensors: dict[str, torch.Tensor],

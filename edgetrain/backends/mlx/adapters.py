@@ -13,7 +13,6 @@ y = base(x) + (alpha / rank) (x A^T) B^T with lora_a = A^T, lora_b = B^T, scale 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,8 @@ import numpy as np
 from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import (add_lora, linear_shape, lora_layers, resolve_path, set_parameters,
                                          trainable_parameters)
-from edgetrain.checkpoint import (atomic_save_safetensors, atomic_write_directory, load_safetensors_checked,
-                                  readable_directory)
-from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig
+from edgetrain.checkpoint import atomic_save_safetensors, atomic_write_directory, readable_directory
+from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig, read_lora_file, write_lora_file
 from edgetrain.user_files import read_json_object, require_regular_file
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
@@ -195,10 +193,7 @@ def load_mlx_lm_adapters(model: nn.Module, directory: str | Path) -> nn.Module:
 
 def torch_adapter_to_mlx_lm(torch_file: str | Path, directory: str | Path) -> Path:
     """Convert an adapter file written by edgetrain.save_lora (torch) into an mlx-lm adapter directory."""
-    tensors, metadata = load_safetensors_checked(torch_file)
-    if "lora_config" not in metadata:
-        raise AdapterError(f"{torch_file}: not an edgetrain LoRA adapter file (no lora_config in its metadata)")
-    config = LoraConfig.from_json(metadata["lora_config"], str(torch_file))
+    config, tensors = read_lora_file(torch_file)
     converted = {}
     for name, tensor in tensors.items():
         head, _, part = name.rpartition(".")
@@ -222,7 +217,7 @@ def mlx_lm_to_torch_adapter(directory: str | Path, torch_file: str | Path) -> Pa
     for key, array in weights.items():
         index, path, part = _parse_key(key, str(directory))
         tensors[f"blocks.{index}.{path}.lora_{part[-1].upper()}"] = _to_torch(array.T.copy())
-    return atomic_save_safetensors(tensors, torch_file, metadata={"lora_config": json.dumps(asdict(config))})
+    return write_lora_file(config, tensors, torch_file)
 
 
 def set_adapter_weights_from_torch(model: nn.Module, torch_lora: dict[str, Any]) -> None:
