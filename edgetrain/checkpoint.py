@@ -114,8 +114,9 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def atomic_write_bytes(data: bytes, path: str | Path) -> Path:
-    """Write `data` to `path` so that a crash at any moment leaves the old file or the complete new one."""
+def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
+    """Replace file `path` by what `fill(temp_path)` writes there, so that a crash at any moment leaves the
+    old file or the complete new one (for writers that want a path rather than bytes: GGUF, big files)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(path, ".tmp")
@@ -123,9 +124,8 @@ def atomic_write_bytes(data: bytes, path: str | Path) -> Path:
     try:
         if path.is_file():
             shutil.copymode(path, tmp_name)
-        with open(tmp_name, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        fill(tmp_name)
+        with open(tmp_name, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp_name, path)
     except BaseException:
@@ -133,6 +133,11 @@ def atomic_write_bytes(data: bytes, path: str | Path) -> Path:
         raise
     _fsync_directory(path.parent)
     return path
+
+
+def atomic_write_bytes(data: bytes, path: str | Path) -> Path:
+    """Write `data` to `path` so that a crash at any moment leaves the old file or the complete new one."""
+    return atomic_write_file(path, lambda tmp: tmp.write_bytes(data))
 
 
 def atomic_write_json(value: Any, path: str | Path, indent: int | None = 1) -> Path:

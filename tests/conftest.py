@@ -48,3 +48,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    """SmolLM2-135M-Instruct's Q4_1 GGUF (fetched once into $EDGETRAIN_CACHE by edgetrain.models.downloads);
+    the test is skipped, saying why, when it cannot be fetched."""
+    from edgetrain.models.downloads import ModelDownloadError, fetch
+
+    try:
+        return fetch("smollm2-135m")
+    except ModelDownloadError as exc:
+        pytest.skip(f"SmolLM2-135M GGUF not available (offline?): {exc}")

@@ -1,3 +1,3 @@
 """The adapter formats edgetrain reads and writes (kept apart so the CLI can list them without torch)."""
 
-FORMATS = ("edgetrain", "peft", "mlx-lm")
+FORMATS = ("edgetrain", "peft", "mlx-lm", "gguf")

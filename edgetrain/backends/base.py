@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable
 
 from edgetrain.registry import EdgetrainError, Registry
@@ -31,7 +32,10 @@ class Backend:
     adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
     quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
     loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files
-    reads_text_out: bool = True                         # edgetrain.models.generate runs its models (generate, eval)
+    reads_text_out: bool = True                         # text_out runs its models (generate, eval)
+    # The module with generate_ids / generate / held_out_loss for this framework's models (the signatures
+    # of edgetrain.models.generate, which hands a model of another framework to its backend's module).
+    text_out: str = "edgetrain.models.generate"
 
     def learner_class(self) -> type:
         return _resolve(self.learner)
@@ -51,6 +55,10 @@ class Backend:
     def adapter_functions(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """(add_lora, save_adapter) for this framework's models."""
         return _resolve(self.add_lora), _resolve(self.save_adapter)
+
+    def text_functions(self) -> ModuleType:
+        """The module that generates text with and evaluates this framework's models (see text_out)."""
+        return importlib.import_module(self.text_out)
 
     def require(self) -> "Backend":
         ok, reason = self.availability()
@@ -72,3 +80,15 @@ def _resolve(path: str) -> Any:
 
 def get_backend(name: str) -> Backend:
     return BACKENDS.get(name).require()
+
+
+def text_functions_for(model: Any) -> ModuleType:
+    """The text module (Backend.text_out) of the backends that run `model`'s framework, which the model
+    names in its `framework` attribute (a model of another framework than torch carries one)."""
+    framework = getattr(model, "framework", None)
+    for name in BACKENDS.names():
+        entry = BACKENDS.get(name)
+        if entry.framework == framework and entry.reads_text_out:
+            return entry.require().text_functions()
+    raise EdgetrainError(f"no backend generates text with a {type(model).__name__}"
+                         + (f" (framework {framework!r})" if framework else ""))

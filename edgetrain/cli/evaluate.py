@@ -4,20 +4,23 @@
 
 The files are tokenised with the model's own tokenizer and cut into windows of --seq tokens (a tail
 shorter than one window is left out); the result is the mean next-token cross-entropy over every
-predicted token, in nats, and its exponential. One JSON line on stdout.
+predicted token, in nats, and its exponential. One JSON line on stdout. JSONL files (*.jsonl) are read
+record by record as training reads them (edgetrain.data.jsonl_stream): a chat record's loss is over its
+assistant turns only.
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter
+from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter, text_functions
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_model_flags(parser)
     parser.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                        help="text files or directories of them (held out from training)")
+                        help="text (*.txt) or JSONL (*.jsonl) files, or directories of them (held out from "
+                             "training)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per window")
     parser.add_argument("--batch", type=int, default=4, help="windows per forward pass")
     parser.add_argument("--max-batches", type=int, default=None, help="evaluate at most this many batches")
@@ -30,16 +33,16 @@ def main(args: argparse.Namespace) -> int:
     from edgetrain.data import text_stream
     from edgetrain.data.tokenizer import model_tokenizer
     from edgetrain.logs import get_logger
-    from edgetrain.models.generate import held_out_loss
     from edgetrain.registry import EdgetrainError
 
     if args.max_batches is not None and args.max_batches < 1:
         raise EdgetrainError(f"--max-batches must be at least 1, got {args.max_batches}")
+    text = text_functions(args)  # the backend's own held_out_loss (torch or MLX)
     model = load_model_and_adapter(args)
     stream = text_stream(args.seq, args.batch, paths=args.data, tokenizer=model_tokenizer(model),
                          vocab_size=model.config.vocab_size, epochs=1)
     batches = itertools.islice(iter(stream), args.max_batches)
-    result = held_out_loss(model, batches)
+    result = text.held_out_loss(model, batches)
     get_logger(__name__).info("held-out loss %.4f nats/token, perplexity %.3f over %d tokens (%s)", result.loss,
                               result.perplexity, result.tokens, stream.source)
     print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,

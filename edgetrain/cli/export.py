@@ -5,6 +5,13 @@ gradients of the trainable weights (LoRA adapters of a decoder, or a classifier'
 features) and applies SGD. With --check N the export is trained for N steps in the runtime from Python
 and compared with the same steps of a torch Learner (loss and weights). --batch-file writes N batches
 of the stream to the binary file the native runner (targets/executorch) reads.
+
+With --merge it writes instead the model with its adapter merged into the weights, for runtimes that
+do not train: a Hugging Face checkpoint directory, or (--out ending in .gguf, for a GGUF base model) a
+GGUF file in F32 or F16 that llama.cpp loads (edgetrain/export/merged.py).
+
+    edgetrain export --merge --model smollm2-135m --adapter adapter.safetensors --out merged-hf/
+    edgetrain export --merge --model smollm2-135m --adapter adapter.safetensors --out merged.gguf --merge-dtype f16
 """
 from __future__ import annotations
 
@@ -23,7 +30,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--runtime", choices=("executorch", "onnxruntime"), default="executorch")
     parser.add_argument("--out", required=True, help="the .pte file (executorch) or a directory (onnxruntime)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    parser.add_argument("--adapter", default=None, help="start from this LoRA adapter (save_lora file)")
+    parser.add_argument("--adapter", default=None,
+                        help="start from this LoRA adapter (any format: edgetrain file, PEFT, mlx-lm, GGUF)")
+    parser.add_argument("--merge", action="store_true",
+                        help="write the model with --adapter merged (a Hugging Face directory, or a GGUF file "
+                             "when --out ends in .gguf) instead of a training program")
+    parser.add_argument("--merge-dtype", default=None,
+                        help="weights of the merged model: float32/float16/bfloat16 for a directory (default: "
+                             "the model's), f32 or f16 for a GGUF (default f16)")
     parser.add_argument("--batch", type=int, default=4, help="batch size (fixed in the program)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length of decoders (fixed in the program)")
     parser.add_argument("--data", default=None, help="stream for --check/--batch-file: text (decoders) or "
@@ -55,11 +69,17 @@ def main(args: argparse.Namespace) -> int:
     from edgetrain.export import (default_part, export_training, load_trainer, make_trainable,
                                   torch_sgd_trajectory, write_batch_file)
 
+    if args.merge:
+        from edgetrain.cli.export_merged import write_merged
+
+        return write_merged(args)
     torch.manual_seed(args.seed)
     model = edgetrain.load_model(args.model)
     part = args.trainable or default_part(model)
     if args.adapter:
-        edgetrain.load_lora(model, args.adapter)
+        from edgetrain.adapters.convert import load_adapter
+
+        load_adapter(model, args.adapter)
     make_trainable(model, part, rank=args.rank)
     stream = _stream(model, args)
     steps = max(args.check, args.batch_steps if args.batch_file else 0, 1)

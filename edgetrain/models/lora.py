@@ -219,7 +219,7 @@ def remove_lora(model: nn.Module, requires_grad: dict[str, bool] | None = None) 
         del model.lora_config
 
 
-def _check_adapter_tensors(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], path: str | Path) -> None:
+def check_adapter_tensors(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], path: str | Path) -> None:
     """Every adapter tensor of the model present, nothing else (a base weight's name would overwrite it),
     each with its shape, floating point and finite."""
     for name, tensor in tensors.items():
@@ -264,7 +264,7 @@ def install_adapter(model: nn.Module, config: LoraConfig, tensors: dict[str, tor
     if existing is None:
         add_lora(model, config)
     try:
-        _check_adapter_tensors(tensors, lora_state_dict(model), source)
+        check_adapter_tensors(tensors, lora_state_dict(model), source)
     except AdapterError:
         if existing is None:
             remove_lora(model, requires_grad)

@@ -61,8 +61,10 @@ def test_unknown_paths_and_formats_are_refused(adapter_file, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterError, match="neither an adapter file nor an adapter directory"):
         detect_format(tmp_path / "empty")
-    with pytest.raises(AdapterError, match="unknown adapter format 'gguf'"):
-        convert_adapter(path, tmp_path / "x", "gguf")
+    with pytest.raises(AdapterError, match="unknown adapter format 'onnx'"):
+        convert_adapter(path, tmp_path / "x", "onnx")
+    with pytest.raises(AdapterError, match="writing a GGUF adapter needs the base model"):
+        convert_adapter(path, tmp_path / "x.gguf", "gguf")
     with pytest.raises(AdapterError, match="would replace the adapter being read"):
         convert_adapter(path, path, "edgetrain")
     (tmp_path / "plain.safetensors").write_bytes(b"not safetensors")

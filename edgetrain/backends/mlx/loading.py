@@ -1,5 +1,5 @@
-"""MLX decoders by preset name (random init), from Hugging Face checkpoint directories, or copied
-from an edgetrain torch model.
+"""MLX decoders by preset name (random init), from Hugging Face checkpoint directories or GGUF files
+(edgetrain.backends.mlx.gguf), or copied from an edgetrain torch model.
 
 Checkpoint directories go through the same checks as the torch loader (edgetrain.models.hf_checkpoint):
 config.json validated by LlamaConfig.from_hf_dict, safetensors only, every tensor present with the
@@ -17,23 +17,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from edgetrain.backends.mlx.model import MLXDecoder, hf_key_to_edgetrain
 from edgetrain.backends.mlx.quantize import DEFAULT_GROUP_SIZE, ComputeMode, quantize_block, quantize_model
+from edgetrain.backends.mlx.weights import assign_weights, parse_mlx_dtype
 from edgetrain.models.hf_checkpoint import CheckpointError, read_config, safetensors_files
 from edgetrain.user_files import require_regular_file
 from edgetrain.models.llama import ConfigError, LlamaConfig
 from edgetrain.registry import EdgetrainError
 
-_DTYPES = {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16, "bf16": mx.bfloat16,
-           "float16": mx.float16, "fp16": mx.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def parse_mlx_dtype(dtype: str | mx.Dtype) -> mx.Dtype:
-    if isinstance(dtype, mx.Dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).removeprefix("torch.")]
-    except KeyError:
-        raise EdgetrainError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPES)}") from None
 
 
 def preset_config(name: str) -> LlamaConfig:
@@ -104,39 +94,13 @@ def from_torch(torch_model: Any, dtype: str | mx.Dtype | None = None) -> MLXDeco
         array = mx.array(tensor.detach().to(torch.float32).cpu().numpy())
         tensors[key] = array.astype(target or _torch_to_mlx_dtype(tensor.dtype))
     model = MLXDecoder(config)
-    _assign(model, tensors, "the torch model")
+    assign_weights(model, tensors, "the torch model")
     return model
 
 
 def _torch_to_mlx_dtype(dtype: Any) -> mx.Dtype:
     return {"torch.float32": mx.float32, "torch.bfloat16": mx.bfloat16,
             "torch.float16": mx.float16}.get(str(dtype), mx.float32)
-
-
-def _assign(model: MLXDecoder, tensors: dict[str, mx.array], source: str) -> None:
-    """Strict assignment: every parameter present with its shape; unknown tensors are an error."""
-    expected = dict(tree_flatten(model.parameters()))
-    tied = {"head.lm_head.weight"} if model.config.tie_word_embeddings else set()
-    values = []
-    for name, array in tensors.items():
-        if name in tied:
-            continue
-        if name not in expected:
-            raise CheckpointError(f"{source}: tensor {name!r} does not belong to a {type(model).__name__}")
-        if tuple(array.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
-                                  f"the model expects {tuple(expected[name].shape)}")
-        if mx.issubdtype(expected[name].dtype, mx.floating) and not mx.issubdtype(array.dtype, mx.floating):
-            raise CheckpointError(f"{source}: tensor {name!r} holds {array.dtype} values; the model's weights "
-                                  "are floating point")
-        values.append((name, array))
-    present = {name for name, _ in values}
-    missing = [k for k in expected if k not in present]
-    if missing:
-        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
-                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    model.update(tree_unflatten(values))
-    mx.eval(model.parameters())
 
 
 def _read_safetensors(path: Path) -> dict[str, mx.array]:
@@ -167,21 +131,28 @@ def load_checkpoint_dir(directory: str | Path, dtype: str | mx.Dtype = "float32"
                 raise CheckpointError(f"{path}: tensor {key!r} appears in more than one shard")
             tensors[name] = array.astype(target) if mx.issubdtype(array.dtype, mx.floating) else array
     model = MLXDecoder(config)
-    _assign(model, tensors, str(directory))
+    assign_weights(model, tensors, str(directory))
     return model
 
 
 def load_mlx_model(name_or_path: str | Path, *, dtype: str | mx.Dtype = "float32", seed: int = 0,
                    layers: int | None = None, quantize_bits: int | None = None,
                    group_size: int = DEFAULT_GROUP_SIZE, compute_mode: ComputeMode | None = None) -> MLXDecoder:
-    """A decoder by preset name (random init, seeded) or from a Hugging Face checkpoint directory;
-    quantize_bits=4 stores the blocks' base projections in 4 bits (group size 64)."""
+    """A decoder by preset name (random init, seeded), from a Hugging Face checkpoint directory or from a
+    llama.cpp GGUF file (its Q4_0 / Q4_1 / Q8_0 projections kept quantised: edgetrain.backends.mlx.gguf);
+    quantize_bits=4 stores the blocks' (remaining dense) base projections in 4 bits (group size 64)."""
     path = Path(name_or_path)
-    if path.is_dir():
-        from edgetrain.data.tokenizer import attach_tokenizer
+    is_gguf = path.suffix.lower() == ".gguf" and not path.is_dir()
+    if path.is_dir() or is_gguf:
+        if is_gguf:
+            from edgetrain.backends.mlx.gguf import load_gguf_mlx
 
-        model = load_checkpoint_dir(path, dtype)
-        attach_tokenizer(model, path, model.config.vocab_size)  # its tokenizer.json, when it has one
+            model = load_gguf_mlx(path, dtype, compute_mode)
+        else:
+            from edgetrain.data.tokenizer import attach_tokenizer
+
+            model = load_checkpoint_dir(path, dtype)
+            attach_tokenizer(model, path, model.config.vocab_size)  # its tokenizer.json, when it has one
         if layers is not None:
             if not 0 < layers <= len(model.blocks):
                 raise EdgetrainError(f"layers={layers}: the model has {len(model.blocks)} blocks")

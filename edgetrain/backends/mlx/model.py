@@ -49,15 +49,15 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return x * cos + rotate_half(x) * sin
 
 
-def causal_attention(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-    """softmax(q k^T / sqrt(hd)) v with a causal mask; q [B, H, T, hd], k/v [B, KV, T, hd] shared by
-    groups of H/KV query heads (no repeated K/V). The softmax runs in fp32."""
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, start: int = 0) -> mx.array:
+    """softmax(q k^T / sqrt(hd)) v with a causal mask; q [B, H, T, hd], k/v [B, KV, S, hd] shared by
+    groups of H/KV query heads (no repeated K/V). The softmax runs in fp32. The queries are positions
+    start .. start + T - 1 and the keys 0 .. S - 1 (S = start + T; start > 0: generation's key/value cache)."""
     batch, heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, seq_len, head_dim)
     scores = (grouped @ k[:, :, None].swapaxes(-1, -2)) * (1.0 / math.sqrt(head_dim))
-    positions = mx.arange(seq_len)
-    future = positions[None, :] > positions[:, None]
+    future = mx.arange(k.shape[2])[None, :] > mx.arange(start, start + seq_len)[:, None]
     scores = mx.where(future, mx.array(-mx.inf, dtype=scores.dtype), scores)
     probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
     return (probs @ v[:, :, None]).reshape(batch, heads, seq_len, head_dim)
@@ -131,6 +131,7 @@ class MLXDecoder(nn.Module):
     """Decoder-only LM exposing the block view: embed -> blocks -> head (final norm + LM head)."""
 
     task = "lm"
+    framework = "mlx"  # which backends run it: edgetrain.generate & co. hand it to their text module
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

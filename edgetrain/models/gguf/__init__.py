@@ -1,6 +1,7 @@
 """GGUF (llama.cpp) models: a reader of its own, numpy dequantisation, the metadata's tokenizer.
 
     model = edgetrain.load_model("model.gguf")       # routes to load_gguf: a LlamaModel (llama, qwen2)
+    model = edgetrain.load_model("model.gguf", backend="mlx")  # an MLXDecoder, Q4/Q8 weights kept packed
     tokenizer = model_tokenizer(model)                # edgetrain.data.tokenizer: the file's BPE vocabulary
     tokenizer = load_gguf_tokenizer("model.gguf")     # the same, without reading any tensor
 """

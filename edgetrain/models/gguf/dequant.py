@@ -19,12 +19,12 @@ _F16 = np.dtype("<f2")
 _BLOCK = 32
 
 
-def _scale(column: np.ndarray) -> np.ndarray:
+def block_scale(column: np.ndarray) -> np.ndarray:
     """Two bytes per block -> the f16 they hold, widened to float32, shape [blocks, 1]."""
     return np.ascontiguousarray(column).view(_F16).astype(np.float32)
 
 
-def _nibbles(packed: np.ndarray) -> np.ndarray:
+def nibbles(packed: np.ndarray) -> np.ndarray:
     """[blocks, 16] bytes -> [blocks, 32] values 0..15: low nibbles first, then high nibbles."""
     return np.concatenate([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=1)
 
@@ -44,19 +44,19 @@ def _bf16(raw: np.ndarray) -> np.ndarray:
 
 def _q8_0(raw: np.ndarray) -> np.ndarray:
     blocks = raw.reshape(-1, 2 + _BLOCK)
-    return blocks[:, 2:].view(np.int8).astype(np.float32) * _scale(blocks[:, :2])
+    return blocks[:, 2:].view(np.int8).astype(np.float32) * block_scale(blocks[:, :2])
 
 
 def _q4_0(raw: np.ndarray) -> np.ndarray:
     blocks = raw.reshape(-1, 2 + _BLOCK // 2)
-    q = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
-    return _scale(blocks[:, :2]) * q.astype(np.float32)
+    q = nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
+    return block_scale(blocks[:, :2]) * q.astype(np.float32)
 
 
 def _q4_1(raw: np.ndarray) -> np.ndarray:
     blocks = raw.reshape(-1, 4 + _BLOCK // 2)
-    q = _nibbles(blocks[:, 4:]).astype(np.float32)
-    return _scale(blocks[:, :2]) * q + _scale(blocks[:, 2:4])
+    q = nibbles(blocks[:, 4:]).astype(np.float32)
+    return block_scale(blocks[:, :2]) * q + block_scale(blocks[:, 2:4])
 
 
 DEQUANTIZERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {

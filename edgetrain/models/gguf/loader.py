@@ -4,11 +4,16 @@ Tensor names are llama.cpp's (`blk.3.attn_q.weight`); they map one to one onto t
 the decoder uses. For the llama architecture llama.cpp's converter reorders the rows of Q and K within
 each head (interleaved RoPE pairs instead of rotate-half halves); that is undone here, so a GGUF model
 equals the Hugging Face checkpoint it was converted from.
+
+The MLX loader (edgetrain.backends.mlx.gguf) plans, reads, reorders and attaches the tokenizer with the
+public functions here; only what a tensor becomes differs there.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +30,7 @@ log = get_logger(__name__)
 
 _GLOBAL_TENSORS = {"token_embd.weight": "embed.embed_tokens.weight", "output_norm.weight": "head.norm.weight",
                    "output.weight": "head.lm_head.weight"}
-_BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                   "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                   "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                   "ffn_down": "mlp.down_proj"}
@@ -37,8 +42,8 @@ def gguf_name_to_edgetrain(name: str) -> str | None:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     match = _BLOCK_NAME.fullmatch(name)
-    if match and match.group(2) in _BLOCK_TENSORS:
-        return f"blocks.{int(match.group(1))}.{_BLOCK_TENSORS[match.group(2)]}.{match.group(3)}"
+    if match and match.group(2) in BLOCK_TENSORS:
+        return f"blocks.{int(match.group(1))}.{BLOCK_TENSORS[match.group(2)]}.{match.group(3)}"
     return None
 
 
@@ -50,7 +55,15 @@ def unpermute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     return tensor.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def _rope_heads(config: LlamaConfig, gguf_name: str) -> int | None:
+def permute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """What convert_hf_to_gguf does to a llama Q or K weight (the inverse of unpermute_rope_rows): within
+    each head, rows i and i + half become neighbours (interleaved RoPE pairs)."""
+    rows = tensor.shape[0]
+    rest = tensor.shape[1:]
+    return tensor.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def rope_heads(config: LlamaConfig, gguf_name: str) -> int | None:
     """Heads whose rows to unpermute for this tensor, or None: only llama's Q and K are permuted."""
     if config.model_type != "llama":
         return None
@@ -61,17 +74,30 @@ def _rope_heads(config: LlamaConfig, gguf_name: str) -> int | None:
     return None
 
 
-def _plan(gguf: GGUFFile, model: LlamaModel) -> dict[str, tuple[str, TensorInfo]]:
-    """GGUF name -> (parameter name, tensor info), every name, shape and type checked before any data is read."""
-    expected = model.state_dict(keep_vars=True)
-    tied = {"head.lm_head.weight"} if model.config.tie_word_embeddings else set()
+def rope_row_order(config: LlamaConfig, gguf_name: str, rows: int) -> np.ndarray | None:
+    """The row order that undoes the converter's Q/K permutation (`values[order]`), or None when the tensor
+    is not permuted. An index array, so that a loader can reorder rows it does not hold as floats (MLX's
+    packed 4-bit rows with their scales); it is unpermute_rope_rows applied to the row numbers."""
+    heads = rope_heads(config, gguf_name)
+    if heads is None:
+        return None
+    return unpermute_rope_rows(torch.arange(rows), heads).numpy()
+
+
+def plan_tensors(gguf: GGUFFile, config: LlamaConfig,
+                 expected: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, TensorInfo]]:
+    """GGUF name -> (parameter name, tensor info), every name, shape and type checked before any data is read.
+
+    `expected` is the decoder's parameter names and shapes (a tied LM head may be among them or not);
+    every framework's loader plans through here, so all refuse the same files with the same words."""
+    tied = {"head.lm_head.weight"} if config.tie_word_embeddings else set()
     plan: dict[str, tuple[str, TensorInfo]] = {}
     for info in gguf.tensors.values():
         target = gguf_name_to_edgetrain(info.name)
         if target is None or target not in expected:
             raise GGUFError(f"{gguf.path}: tensor {info.name!r} does not belong to a "
-                            f"{model.config.num_hidden_layers}-layer {model.config.model_type} decoder")
-        want = tuple(expected[target].shape)
+                            f"{config.num_hidden_layers}-layer {config.model_type} decoder")
+        want = tuple(expected[target])
         if info.shape != want:
             raise GGUFError(f"{gguf.path}: tensor {info.name!r} has shape {info.shape}, the model described "
                             f"by the metadata expects {want}")
@@ -87,12 +113,17 @@ def _plan(gguf: GGUFFile, model: LlamaModel) -> dict[str, tuple[str, TensorInfo]
     return plan
 
 
-def read_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
-    """One tensor's values as float32 (in the GGUF layout: llama Q/K rows still permuted)."""
+def read_values(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """One tensor's values as a float32 numpy array (in the GGUF layout: llama Q/K rows still permuted)."""
     values = dequantize(gguf.tensor_bytes(info), info.ggml_type, info.shape)
     if not np.isfinite(values).all():
         raise GGUFError(f"{gguf.path}: tensor {info.name!r} holds NaN or infinite values")
-    return torch.from_numpy(values)
+    return values
+
+
+def read_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
+    """One tensor's values as float32 (in the GGUF layout: llama Q/K rows still permuted)."""
+    return torch.from_numpy(read_values(gguf, info))
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -104,18 +135,19 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):  # no random init: every weight is assigned from the file
         model = LlamaModel(config)
     tensors: dict[str, torch.Tensor] = {}
-    for gguf_name, (target, info) in _plan(gguf, model).items():
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
+    for gguf_name, (target, info) in plan_tensors(gguf, config, expected).items():
         tensor = read_tensor(gguf, info)
-        heads = _rope_heads(config, gguf_name)
+        heads = rope_heads(config, gguf_name)
         if heads is not None:
             tensor = unpermute_rope_rows(tensor, heads)
         tensors[target] = tensor.to(dtype)
     load_weights(model, tensors, str(gguf.path), dtype)
-    _attach_tokenizer(gguf, model)
+    attach_gguf_tokenizer(gguf, model)
     return model.to(device)
 
 
-def _attach_tokenizer(gguf: GGUFFile, model: LlamaModel) -> None:
+def attach_gguf_tokenizer(gguf: GGUFFile, model: Any) -> None:
     """The file's own vocabulary becomes `model.tokenizer`, as a checkpoint's tokenizer.json does. One that
     cannot be built yet (SentencePiece) leaves the model without one, said in a warning; a damaged one is
     an error, as a damaged tokenizer.json is."""

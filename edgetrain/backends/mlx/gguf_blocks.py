@@ -1,0 +1,92 @@
+"""ggml block formats -> MLX's affine quantisation (the layout of mx.quantize), without requantising.
+
+MLX keeps w = scale * q + bias for each group of `group_size` consecutive inputs of a row, q unsigned
+`bits`-bit integers packed little-endian into uint32 words (element j of a word in bits
+[bits * j, bits * (j + 1)); checked against mx.dequantize in tests/mlx/test_mlx_gguf.py). ggml's
+32-value blocks run along a row's inputs too, so each block is one MLX group of 32:
+
+  Q4_0  d, 16 nibble bytes      w = d * (q - 8)  ->  4 bits, scale d, bias -8 d
+  Q4_1  d, m, 16 nibble bytes   w = d * q + m    ->  4 bits, scale d, bias m
+  Q8_0  d, 32 x int8 q          w = d * q        ->  8 bits, scale d, bias -128 d, q + 128 stored
+
+Only the integers are moved: ggml's byte j holds elements j (low nibble) and j + 16 (high), MLX's byte i
+elements 2i and 2i + 1. In float32 mx.dequantize then gives ggml's values exactly: d * q is exact (an
+11-bit f16 scale times a small integer) and the one addition after it has ggml's exact result (Q4_0,
+Q8_0: d * (q - 8) and d * q are representable) or rounds the same sum ggml rounds (Q4_1). The only
+difference is the sign of a zero: d * 0 - 8 d gives +0.0 where ggml's d * 0 with d < 0 gives -0.0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from edgetrain.models.gguf.dequant import block_scale, nibbles
+
+GROUP_SIZE = 32  # ggml's block of Q4_0, Q4_1 and Q8_0
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [rows, cols] weight in MLX's quantised layout (what nn.QuantizedLinear holds)."""
+    weight: np.ndarray   # uint32 [rows, cols * bits / 32]
+    scales: np.ndarray   # float32 [rows, cols / 32]
+    biases: np.ndarray   # float32 [rows, cols / 32]
+    bits: int
+    group_size: int = GROUP_SIZE
+
+    def rows(self, order: np.ndarray) -> "PackedWeight":
+        """The same weight with its rows in `order`: packing runs along a row, so rows move whole."""
+        return PackedWeight(self.weight[order], self.scales[order], self.biases[order], self.bits, self.group_size)
+
+
+def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = block_scale(blocks[:, :2])
+    return nibbles(blocks[:, 2:]), d, -8.0 * d  # ggml's q - 8 is MLX's q with a bias of -8 d
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return nibbles(blocks[:, 4:]), block_scale(blocks[:, :2]), block_scale(blocks[:, 2:4])
+
+
+def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = block_scale(blocks[:, :2])
+    # int8 q -> unsigned q + 128: flipping the sign bit is that addition, mod 256.
+    return blocks[:, 2:] ^ np.uint8(0x80), d, -128.0 * d
+
+
+# ggml type id -> (bits, bytes per block, block -> (q [blocks, 32] uint8, scale [blocks, 1], bias [blocks, 1]))
+_FORMATS: dict[int, tuple[int, int, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]]] = {
+    2: (4, 2 + 16, _q4_0),
+    3: (4, 2 + 2 + 16, _q4_1),
+    8: (8, 2 + 32, _q8_0),
+}
+PACKABLE_TYPES = frozenset(_FORMATS)  # the ggml types MLX keeps quantised
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """[blocks, 32] unsigned integers -> [blocks, 32 * bits / 32] little-endian uint32 words."""
+    if bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # elements 2i (low) and 2i + 1 (high) share byte i
+    return np.ascontiguousarray(q, dtype=np.uint8).view(np.dtype("<u4")).astype(np.uint32)
+
+
+def pack_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> PackedWeight:
+    """A [rows, cols] tensor's raw block bytes (ggml_type in PACKABLE_TYPES; the size checked by the
+    reader) in MLX's quantised layout. Scales and biases are float32; a caller may narrow them."""
+    bits, block_bytes, split = _FORMATS[ggml_type]
+    rows, cols = shape
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+    with np.errstate(all="ignore"):  # non-finite scales are the caller's check (all_finite)
+        q, scale, bias = split(blocks)
+    return PackedWeight(_pack(q, bits).reshape(rows, cols * bits // 32),
+                        scale.astype(np.float32).reshape(rows, cols // GROUP_SIZE),
+                        bias.astype(np.float32).reshape(rows, cols // GROUP_SIZE), bits)
+
+
+def all_finite(packed: PackedWeight) -> bool:
+    """Whether every weight is finite: it is exactly when every scale and bias is (a finite f16 scale times
+    q <= 255 stays far inside float32; a NaN or infinite d makes its whole block NaN or infinite, q = 0
+    included), so the weights need not be dequantised to be checked."""
+    return bool(np.isfinite(packed.scales).all() and np.isfinite(packed.biases).all())
