@@ -69,7 +69,7 @@ def _byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
 VOCAB = _byte_level_vocab()
 
 
-def _hf_model(arch: str = "llama", tie: bool = False, seed: int = 0):
+def hf_model(arch: str = "llama", tie: bool = False, seed: int = 0):
     torch.manual_seed(seed)
     # A wide init so attention is far from uniform: a wrong Q/K row order then shows in the logits.
     common = dict(SIZES, vocab_size=len(VOCAB[0]), tie_word_embeddings=tie, initializer_range=0.2)
@@ -84,13 +84,13 @@ def _hf_model(arch: str = "llama", tie: bool = False, seed: int = 0):
     return model.eval()
 
 
-def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+def permute_rows(weights: np.ndarray, heads: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.permute: rotate-half RoPE rows -> interleaved pairs."""
     return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def _gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str) -> str:
     if hf_name in HF_TO_GGUF:
         return HF_TO_GGUF[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -132,13 +132,13 @@ def write_gguf(path: Path, hf_model, qtype=Q.F32, tweak=None, pre: str | None = 
             continue
         data = tensor.detach().float().numpy()
         if arch == "llama" and ".q_proj." in hf_name:
-            data = _permute(data, config.num_attention_heads)
+            data = permute_rows(data, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
-            data = _permute(data, config.num_key_value_heads)
+            data = permute_rows(data, config.num_key_value_heads)
         if data.ndim == 2 and qtype != Q.F32:
-            writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(_gguf_name(hf_name), data)
+            writer.add_tensor(gguf_name(hf_name), data)
     if tweak:
         tweak(writer)
     writer.write_header_to_file()

@@ -16,11 +16,11 @@ from edgetrain.adapters.gguf_lora import read_gguf_lora, write_gguf_lora
 from edgetrain.cli import main
 from edgetrain.export.merged import MergeError, save_merged_gguf, save_merged_hf
 from edgetrain.models.gguf.loader import permute_rope_rows
-from edgetrain.models.lora import AdapterError, LoraConfig, lora_state_dict
+from edgetrain.models.lora import AdapterError, lora_state_dict
 from testkit import random_lora_b
 
 gguf = pytest.importorskip("gguf")
-from gguf_testkit import VOCAB, _hf_model, write_gguf  # noqa: E402
+from gguf_testkit import VOCAB, hf_model, write_gguf  # noqa: E402
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -28,7 +28,7 @@ TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 @pytest.fixture(scope="module")
 def llama_gguf(tmp_path_factory):
     """A tiny llama-architecture GGUF (Q and K rows permuted as llama.cpp's converter stores them)."""
-    return write_gguf(tmp_path_factory.mktemp("base") / "llama.gguf", _hf_model("llama"))
+    return write_gguf(tmp_path_factory.mktemp("base") / "llama.gguf", hf_model("llama"))
 
 
 def _with_adapter(base, rank=4, alpha=6.0, targets=TARGETS, seed=1):

@@ -160,3 +160,25 @@ def test_generate_and_eval_take_a_peft_adapter_directory(base_dir, tmp_path, cap
                  "--max-batches", "2"]) == 0
     tuned = json.loads(capsys.readouterr().out)
     assert tuned["loss"] != base["loss"] and tuned["tokens"] == base["tokens"]
+
+
+def test_an_adapter_trained_on_mlx_loads_in_peft_with_mlxs_logits(base_dir, tmp_path):
+    """MLX -> PEFT: an adapter the MLX backend trained (mlx-lm layout, transposed) converts to a PEFT
+    directory that transformers + PEFT runs with the MLX model's logits."""
+    mx = pytest.importorskip("mlx.core")
+    import numpy as np
+
+    from edgetrain.adapters.convert import convert_adapter
+    from edgetrain.backends.mlx.adapters import save_mlx_lm_adapters
+    from edgetrain.backends.mlx.lora import add_lora, set_parameters, trainable_parameters
+
+    model = add_lora(edgetrain.load_model(base_dir, backend="mlx"), rank=4, alpha=8.0)
+    set_parameters(model, {name: mx.random.normal(p.shape, key=mx.random.key(i)) * 0.1
+                           for i, (name, p) in enumerate(trainable_parameters(model).items())})
+    save_mlx_lm_adapters(model, tmp_path / "mlx")
+    out = convert_adapter(tmp_path / "mlx", tmp_path / "peft", "peft")
+    ours = torch.from_numpy(np.array(model(mx.array(TOKENS.numpy()))))
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(_hf(base_dir), str(out)).eval()(TOKENS).logits
+        base = _hf(base_dir)(TOKENS).logits
+    assert _relative(ours, theirs) <= 1e-4 and _relative(base, theirs) > 1e-3

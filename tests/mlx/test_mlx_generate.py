@@ -28,7 +28,7 @@ from edgetrain.models.generate import generate, generate_ids, held_out_loss  # n
 from edgetrain.registry import EdgetrainError  # noqa: E402
 from testkit import random_lora_b  # noqa: E402
 
-from gguf_testkit import _hf_model, write_gguf  # noqa: E402
+from gguf_testkit import hf_model, write_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PROMPT = "The quick brown fox"
@@ -36,7 +36,7 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def q4_file(tmp_path_factory):
-    return write_gguf(tmp_path_factory.mktemp("generate") / "tiny-q4_1.gguf", _hf_model(), Q.Q4_1)
+    return write_gguf(tmp_path_factory.mktemp("generate") / "tiny-q4_1.gguf", hf_model(), Q.Q4_1)
 
 
 @pytest.fixture(scope="module")

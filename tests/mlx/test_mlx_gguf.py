@@ -31,7 +31,7 @@ from edgetrain.data.batch import Batch  # noqa: E402
 from edgetrain.models.gguf import GGUFError, GGUFTokenizer, dequantize, load_gguf  # noqa: E402
 from edgetrain.models.gguf import loader as gguf_loader  # noqa: E402
 
-from gguf_testkit import VOCAB, _gguf_name, _hf_model, write_gguf  # noqa: E402
+from gguf_testkit import VOCAB, gguf_name, hf_model, write_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PACKED = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8}
@@ -80,7 +80,7 @@ def _mixed(path: Path, hf_model) -> Path:
 
 @pytest.fixture(scope="module")
 def mixed_file(tmp_path_factory):
-    return _mixed(tmp_path_factory.mktemp("gguf-mlx") / "mixed.gguf", _hf_model())
+    return _mixed(tmp_path_factory.mktemp("gguf-mlx") / "mixed.gguf", hf_model())
 
 
 def _linears(model) -> dict[str, object]:
@@ -121,13 +121,13 @@ def test_packing_equals_mlx_own_gguf_import(tmp_path, qtype):
     """mx.load reads Q4_0 / Q4_1 / Q8_0 GGUF tensors into the same layout (with f16 scales): the same words
     and the same scales and biases, an independent check of the mapping. (mx.load does not check the file,
     nor undo llama's Q/K row order, so it is compared on the other projections only.)"""
-    path = write_gguf(tmp_path / f"{qtype.name}.gguf", _hf_model(), qtype)
+    path = write_gguf(tmp_path / f"{qtype.name}.gguf", hf_model(), qtype)
     theirs = mx.load(str(path))
     ours = load_gguf_mlx(path)
     for name, layer in _linears(ours).items():
         if ".self_attn.q_proj" in name or ".self_attn.k_proj" in name:
             continue
-        stem = _gguf_name(f"model.layers.{name.removeprefix('blocks.')}.weight").removesuffix(".weight")
+        stem = gguf_name(f"model.layers.{name.removeprefix('blocks.')}.weight").removesuffix(".weight")
         assert np.array_equal(np.array(layer.weight), np.array(theirs[f"{stem}.weight"])), name
         assert np.array_equal(np.array(layer.scales), np.array(theirs[f"{stem}.scales"].astype(mx.float32))), name
         assert np.array_equal(np.array(layer.biases), np.array(theirs[f"{stem}.biases"].astype(mx.float32))), name
@@ -139,7 +139,7 @@ def test_packing_equals_mlx_own_gguf_import(tmp_path, qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.F32], ids=lambda q: q.name)
 def test_weights_equal_the_torch_loaders_dequantised_ones(tmp_path, qtype):
-    path = write_gguf(tmp_path / f"{qtype.name}.gguf", _hf_model(), qtype)
+    path = write_gguf(tmp_path / f"{qtype.name}.gguf", hf_model(), qtype)
     ours, reference = load_gguf_mlx(path), load_gguf(path)
     assert isinstance(ours, MLXDecoder)
     for name, layer in _linears(ours).items():
@@ -159,7 +159,7 @@ def test_weights_equal_the_torch_loaders_dequantised_ones(tmp_path, qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.F32], ids=lambda q: q.name)
 def test_logits_match_torch_on_the_same_file(tmp_path, qtype):
-    got, expected = _logits_both(write_gguf(tmp_path / f"{qtype.name}.gguf", _hf_model(), qtype))
+    got, expected = _logits_both(write_gguf(tmp_path / f"{qtype.name}.gguf", hf_model(), qtype))
     assert _relative_error(got, expected) <= LOGITS_TOLERANCE
 
 
@@ -179,7 +179,7 @@ def test_a_mixed_file_keeps_each_tensor_as_stored_and_says_what_it_dequantised(m
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tied_embeddings_and_qwen2_biases_on_quantised_projections(tmp_path, arch):
-    path = write_gguf(tmp_path / f"{arch}.gguf", _hf_model(arch, tie=True, seed=1), Q.Q4_0)
+    path = write_gguf(tmp_path / f"{arch}.gguf", hf_model(arch, tie=True, seed=1), Q.Q4_0)
     model = load_gguf_mlx(path)
     assert model.config.tie_word_embeddings and "lm_head" not in model.head
     q_proj = model.blocks[0].self_attn.q_proj
@@ -226,7 +226,7 @@ def test_a_type_it_cannot_read_is_named(tmp_path):
         shape = tuple(writer.tensors[0].pop(name).shape)
         writer.add_tensor(name, gguf.quants.quantize(np.zeros(shape, np.float32), Q.Q5_0), raw_dtype=Q.Q5_0)
 
-    path = write_gguf(tmp_path / "q5.gguf", _hf_model(), Q.Q4_1, tweak=q5)
+    path = write_gguf(tmp_path / "q5.gguf", hf_model(), Q.Q4_1, tweak=q5)
     for backend in ("torch", "mlx"):
         with pytest.raises(GGUFError, match=r"'blk\.0\.ffn_up\.weight' is stored as Q5_0.*supported: F32, F16, BF16, "
                                             r"Q8_0, Q4_0, Q4_1"):
@@ -240,7 +240,7 @@ def test_a_non_finite_scale_in_a_kept_quantised_tensor_is_refused(tmp_path, qtyp
         at = 2 if qtype == Q.Q4_1 else 0  # Q4_1's minimum m, the others' scale d, of the first block
         raw[0, at:at + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
 
-    path = write_gguf(tmp_path / "nan.gguf", _hf_model(), qtype, tweak=nan_scale)
+    path = write_gguf(tmp_path / "nan.gguf", hf_model(), qtype, tweak=nan_scale)
     for backend in ("torch", "mlx"):
         with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_down\.weight' holds NaN or infinite values"):
             edgetrain.load_model(path, backend=backend)
@@ -250,7 +250,7 @@ def test_inconsistent_metadata_is_refused_as_on_torch(tmp_path):
     def edit(writer):
         writer.kv_data[0]["llama.feed_forward_length"].value = 96
 
-    path = write_gguf(tmp_path / "inconsistent.gguf", _hf_model(), Q.Q4_1, tweak=edit)
+    path = write_gguf(tmp_path / "inconsistent.gguf", hf_model(), Q.Q4_1, tweak=edit)
     with pytest.raises(GGUFError, match=r"'blk\.0\.ffn_gate\.weight' has shape \(128, 64\)"):
         edgetrain.load_model(path, backend="mlx")
 

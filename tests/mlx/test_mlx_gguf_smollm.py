@@ -14,18 +14,11 @@ torch = pytest.importorskip("torch")
 
 import edgetrain  # noqa: E402
 from edgetrain.backends.mlx.quantize import BLOCK_LINEARS, QuantizedLinear  # noqa: E402
-from edgetrain.models.downloads import ModelDownloadError, fetch  # noqa: E402
 from edgetrain.models.generate import generate_ids  # noqa: E402
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def smollm2_file():
-    try:
-        return fetch("smollm2-135m")
-    except ModelDownloadError as exc:
-        pytest.skip(f"SmolLM2-135M GGUF not available (offline?): {exc}")
 
 
 @pytest.mark.slow

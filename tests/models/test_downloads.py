@@ -116,14 +116,13 @@ def test_load_model_takes_a_downloadable_name(tmp_path, monkeypatch):
     it, on torch and on MLX."""
     import edgetrain
     import edgetrain.models.downloads as downloads
-    from edgetrain.models.gguf import GGUFError
-    from test_gguf import _hf_model, write_gguf
+    from gguf_testkit import hf_model, write_gguf
 
-    small = write_gguf(tmp_path / "small.gguf", _hf_model())
+    small = write_gguf(tmp_path / "small.gguf", hf_model())
     fetched: list[str] = []
     monkeypatch.setattr(downloads, "fetch", lambda name: fetched.append(name) or small)
     model = edgetrain.load_model("smollm2-135m")
-    assert fetched == ["smollm2-135m"] and model.config.num_hidden_layers == _hf_model().config.num_hidden_layers
+    assert fetched == ["smollm2-135m"] and model.config.num_hidden_layers == hf_model().config.num_hidden_layers
     pytest.importorskip("mlx.core")
     on_mlx = edgetrain.load_model("smollm2-135m", backend="mlx")
     assert fetched == ["smollm2-135m"] * 2 and on_mlx.config == model.config

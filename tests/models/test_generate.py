@@ -55,9 +55,9 @@ def test_greedy_generation_equals_recomputing_everything():
 def test_greedy_generation_equals_transformers_on_the_same_gguf(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from test_gguf import _hf_model, write_gguf
+    from gguf_testkit import hf_model, write_gguf
 
-    path = write_gguf(tmp_path / "small.gguf", _hf_model())
+    path = write_gguf(tmp_path / "small.gguf", hf_model())
     ours = edgetrain.load_model(path)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
                                                                   dtype=torch.float32).eval()

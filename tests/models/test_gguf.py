@@ -3,7 +3,6 @@ convert_hf_to_gguf writes them), read by edgetrain's own reader and compared wit
 GGUF path on the same file; dequantisation against gguf.quants; hostile files refused by name."""
 from __future__ import annotations
 
-import json
 import logging
 import struct
 from pathlib import Path
@@ -26,8 +25,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 Q = gguf.GGMLQuantizationType
 
-from gguf_testkit import (CORPUS, HF_BLOCK_TO_GGUF, HF_TO_GGUF, SIZES, SPECIAL, TEXTS, VOCAB,  # noqa: E402
-                          _gguf_name, _hf_model, _permute, write_gguf)
+from gguf_testkit import TEXTS, VOCAB, hf_model, permute_rows, write_gguf  # noqa: E402
 
 
 def _tokens(seq_len: int = 24) -> torch.Tensor:
@@ -47,7 +45,7 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def llama_file(tmp_path_factory):
-    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", _hf_model())
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", hf_model())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -56,7 +54,7 @@ def llama_file(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_logits_match_transformers(tmp_path, qtype):
-    path = write_gguf(tmp_path / f"llama-{qtype.name}.gguf", _hf_model(), qtype)
+    path = write_gguf(tmp_path / f"llama-{qtype.name}.gguf", hf_model(), qtype)
     ours = edgetrain.load_model(path)
     assert isinstance(ours, LlamaModel) and not ours.config.tie_word_embeddings
     tokens = _tokens()
@@ -67,16 +65,16 @@ def test_logits_match_transformers(tmp_path, qtype):
 
 def test_f32_file_equals_the_source_checkpoint(tmp_path):
     """Without transformers' GGUF path in between: the unpermuted model is the model that was converted."""
-    hf_model = _hf_model(seed=3)
-    ours = load_gguf(write_gguf(tmp_path / "llama.gguf", hf_model))
+    source = hf_model(seed=3)
+    ours = load_gguf(write_gguf(tmp_path / "llama.gguf", source))
     tokens = _tokens()
     with torch.no_grad():
-        assert _relative_error(ours(tokens), hf_model(tokens).logits) <= 1e-5
+        assert _relative_error(ours(tokens), source(tokens).logits) <= 1e-5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tied_embeddings_and_qwen2_biases(tmp_path, arch):
-    path = write_gguf(tmp_path / f"{arch}-tied.gguf", _hf_model(arch, tie=True, seed=1), Q.Q8_0)
+    path = write_gguf(tmp_path / f"{arch}-tied.gguf", hf_model(arch, tie=True, seed=1), Q.Q8_0)
     ours = edgetrain.load_model(path)
     assert ours.config.tie_word_embeddings and ours.head.lm_head.weight is ours.embed.embed_tokens.weight
     assert ours.config.attention_bias == (arch == "qwen2") and ours.config.model_type == arch
@@ -120,7 +118,7 @@ def test_qk_unpermute_is_needed(llama_file, monkeypatch):
 def test_unpermute_inverts_the_converters_permute():
     rows = torch.arange(2 * 16 * 3, dtype=torch.float32).reshape(32, 3)
     for heads in (1, 2, 4):
-        permuted = torch.from_numpy(_permute(rows.numpy(), heads))
+        permuted = torch.from_numpy(permute_rows(rows.numpy(), heads))
         assert not torch.equal(permuted, rows)
         assert torch.equal(gguf_loader.unpermute_rope_rows(permuted, heads), rows)
         assert torch.equal(gguf_loader.unpermute_rope_rows(permuted[:, 0], heads), rows[:, 0])  # a bias
@@ -169,7 +167,7 @@ def test_dequantize_arbitrary_bytes_equals_gguf_package(raw, qtype):
 
 @pytest.mark.parametrize("pre", [None, "llama-bpe", "qwen2"])
 def test_tokenizer_matches_transformers(tmp_path, pre):
-    path = write_gguf(tmp_path / "tok.gguf", _hf_model(), pre=pre)
+    path = write_gguf(tmp_path / "tok.gguf", hf_model(), pre=pre)
     ours = load_gguf_tokenizer(path)
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in TEXTS:
@@ -193,7 +191,7 @@ def test_sentencepiece_tokenizer_refused_by_name(tmp_path, caplog):
     def sentencepiece(writer):
         writer.kv_data[0]["tokenizer.ggml.model"].value = "llama"
 
-    path = write_gguf(tmp_path / "sp.gguf", _hf_model(), tweak=sentencepiece)
+    path = write_gguf(tmp_path / "sp.gguf", hf_model(), tweak=sentencepiece)
     with pytest.raises(GGUFError, match="SentencePiece.*not supported yet"):
         load_gguf_tokenizer(path)
     with caplog.at_level(logging.WARNING, logger="edgetrain"):
@@ -214,7 +212,7 @@ def test_a_model_without_tokenizer_metadata_loads_without_one(tmp_path):
         for key in [k for k in writer.kv_data[0] if k.startswith("tokenizer.")]:
             del writer.kv_data[0][key]
 
-    model = edgetrain.load_model(write_gguf(tmp_path / "bare.gguf", _hf_model(), tweak=no_tokenizer))
+    model = edgetrain.load_model(write_gguf(tmp_path / "bare.gguf", hf_model(), tweak=no_tokenizer))
     assert isinstance(model_tokenizer(model), ByteTokenizer)
 
 
@@ -266,8 +264,8 @@ def test_duplicate_metadata_keys_and_tensor_names(tmp_path, llama_file):
 
 
 def test_custom_alignment(tmp_path):
-    hf_model = _hf_model()
-    path = write_gguf(tmp_path / "aligned.gguf", hf_model, Q.Q8_0, tweak=lambda w: w.add_custom_alignment(64))
+    source = hf_model()
+    path = write_gguf(tmp_path / "aligned.gguf", source, Q.Q8_0, tweak=lambda w: w.add_custom_alignment(64))
     assert read_gguf(path).data_start % 64 == 0
     tokens = _tokens()
     with torch.no_grad():
@@ -276,15 +274,15 @@ def test_custom_alignment(tmp_path):
     def bad_alignment(writer):
         writer.add_uint32("general.alignment", 48)
 
-    _refused(write_gguf(tmp_path / "misaligned.gguf", hf_model, tweak=bad_alignment),
+    _refused(write_gguf(tmp_path / "misaligned.gguf", source, tweak=bad_alignment),
              "general.alignment = 48 is not a positive power of two")
 
 
 def test_non_finite_weights_refused(tmp_path):
-    hf_model = _hf_model()
+    source = hf_model()
     with torch.no_grad():
-        hf_model.model.norm.weight[3] = float("nan")
-    _refused(write_gguf(tmp_path / "nan.gguf", hf_model), "'output_norm.weight' holds NaN")
+        source.model.norm.weight[3] = float("nan")
+    _refused(write_gguf(tmp_path / "nan.gguf", source), "'output_norm.weight' holds NaN")
 
 
 def test_truncated_anywhere(tmp_path, llama_file):
@@ -333,7 +331,7 @@ def test_type_it_cannot_dequantise_is_named(tmp_path):
         shape = tuple(writer.tensors[0].pop(name).shape)
         writer.add_tensor(name, gguf.quants.quantize(np.zeros(shape, np.float32), Q.Q5_0), raw_dtype=Q.Q5_0)
 
-    path = write_gguf(tmp_path / "q5.gguf", _hf_model(), tweak=q5)
+    path = write_gguf(tmp_path / "q5.gguf", hf_model(), tweak=q5)
     _refused(path, "'blk.0.ffn_up.weight'", "Q5_0", "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
 
 
@@ -341,7 +339,7 @@ def test_type_it_cannot_dequantise_is_named(tmp_path):
                                  "llama.feed_forward_length", "llama.attention.head_count",
                                  "llama.attention.layer_norm_rms_epsilon", "llama.context_length"])
 def test_missing_required_metadata(tmp_path, key):
-    path = write_gguf(tmp_path / "missing.gguf", _hf_model(), tweak=lambda w: w.kv_data[0].pop(key))
+    path = write_gguf(tmp_path / "missing.gguf", hf_model(), tweak=lambda w: w.kv_data[0].pop(key))
     _refused(path, f"required metadata key {key!r} is missing")
 
 
@@ -361,7 +359,7 @@ def test_inconsistent_metadata(tmp_path, key, value, fragment):
         entry.value = value
         entry.type = gguf.GGUFValueType.STRING if isinstance(value, str) else entry.type
 
-    _refused(write_gguf(tmp_path / "inconsistent.gguf", _hf_model(), tweak=edit), fragment)
+    _refused(write_gguf(tmp_path / "inconsistent.gguf", hf_model(), tweak=edit), fragment)
 
 
 def test_mlx_backend_loads_gguf_or_says_it_is_missing(llama_file):
@@ -379,7 +377,7 @@ def test_mlx_backend_loads_gguf_or_says_it_is_missing(llama_file):
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    model = _hf_model(seed=2)
+    model = hf_model(seed=2)
     model.config.num_hidden_layers = 1
     model.model.layers = model.model.layers[:1]
     return write_gguf(tmp_path_factory.mktemp("fuzz") / "pristine.gguf", model, Q.Q4_0).read_bytes()

@@ -12,7 +12,6 @@ import torch
 
 import edgetrain
 from edgetrain.data.tokenizer import model_tokenizer
-from edgetrain.models.downloads import ModelDownloadError, fetch
 from edgetrain.models.gguf import GGUFTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -23,12 +22,6 @@ TEXTS = [PROMPT, "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2
          "Grüße aus Köln, 日本語, русский текст", "In 2024 there were 1234567 tokens."]
 
 
-@pytest.fixture(scope="module")
-def smollm2_file():
-    try:
-        return fetch("smollm2-135m")
-    except ModelDownloadError as exc:
-        pytest.skip(f"SmolLM2-135M GGUF not available (offline?): {exc}")
 
 
 @pytest.mark.slow
