@@ -293,3 +293,12 @@ def test_export_merge_cli(llama_gguf, tmp_path, capsys):
                  "--quiet"]) != 0
     assert "--model tiny is not a GGUF model" in capsys.readouterr().err
     assert not (tmp_path / "n.gguf").exists()
+
+
+def test_mlx_loads_a_gguf_adapter_with_torchs_logits(llama_gguf, tmp_path):
+    mx = pytest.importorskip("mlx.core")
+    model = _with_adapter(llama_gguf)
+    path = write_gguf_lora(model.lora_config, lora_state_dict(model), tmp_path / "a.gguf", model.config)
+    ours = edgetrain.load_model(llama_gguf, backend="mlx", adapter=path)
+    got = torch.from_numpy(np.array(ours(mx.array(_tokens().numpy())))).double()
+    assert _relative(got, _logits(model, _tokens())) < 1e-5
