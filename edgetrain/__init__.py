@@ -20,6 +20,7 @@ _LAZY = {
     "unmerge_lora": "edgetrain.models.lora",
     "Learner": "edgetrain.learner", "StepStats": "edgetrain.learner",
     "generate": "edgetrain.models.generate", "held_out_loss": "edgetrain.models.generate",
+    "Personaliser": "edgetrain.personalise",
 }
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from edgetrain.models import MODEL_PRESETS, load_model
     from edgetrain.models.generate import generate, held_out_loss
     from edgetrain.models.lora import LoraConfig, add_lora, load_lora, merge_lora, save_lora, unmerge_lora
+    from edgetrain.personalise import Personaliser
 
 
 def __getattr__(name: str) -> Any:
@@ -47,5 +49,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["EdgetrainError", "Learner", "StepStats", "LoraConfig", "MODEL_PRESETS", "add_lora", "generate",
-           "held_out_loss", "load_lora", "load_model", "merge_lora", "save_lora", "unmerge_lora", "__version__"]
+__all__ = ["EdgetrainError", "Learner", "StepStats", "LoraConfig", "MODEL_PRESETS", "Personaliser", "add_lora",
+           "generate", "held_out_loss", "load_lora", "load_model", "merge_lora", "save_lora", "unmerge_lora", "__version__"]

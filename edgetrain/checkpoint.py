@@ -125,8 +125,11 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
         if path.is_file():
             shutil.copymode(path, tmp_name)
         fill(tmp_name)
-        with open(tmp_name, "rb+") as handle:
-            os.fsync(handle.fileno())
+        descriptor = os.open(tmp_name, os.O_RDONLY)  # fsync needs no write access, only the file
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

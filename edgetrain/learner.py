@@ -35,14 +35,17 @@ from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.logs import get_logger
 from edgetrain.losses import task_loss
 from edgetrain.finite_steps import FiniteOptimizerSteps
+from edgetrain.budget_report import StepFigure, lower_memory_methods, rank_methods, refusal_message
 from edgetrain.memory_estimate import first_slice_over_budget
 from edgetrain.memory_sizes import parse_bytes
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
 from edgetrain.progress import progress_bar
-from edgetrain.probes.base import observing_context, settle_memory
+from edgetrain.probes.base import settle_memory
 from edgetrain.registry import EdgetrainError
 from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
+from edgetrain.step_estimates import estimate_step_bytes
+from edgetrain.step_memory import StepMemory
 
 log = get_logger(__name__)
 
@@ -75,12 +78,25 @@ FALLBACK_ORDER = ("mebp", "mesp", "mezo")
 
 @dataclass
 class StepStats:
+    """What one step did and cost.
+
+    peak_bytes: the memory the step added, read by `probe` (None without one): its peak during the step
+    minus its reading just before, with the allocator's free heap given back to the kernel and its large
+    free chunks plugged for the step (so a step cannot be served, unseen, from memory that is already
+    resident), less the file-backed pages the step mapped in (memory-mapped weights read for the first
+    time, library code), which are not step memory. The weights and whatever the process held before are
+    not in it. So the same step reads the same in a long-lived process as in a fresh one after a warm-up
+    step (within 1 MiB + 5%, tests/test_step_memory.py); the first step of a process adds its one-time
+    allocations (thread pools, kernel caches: 4-6 MiB for SmolLM2-135M). edgetrain/step_memory.py has
+    the details and the figures.
+    """
+
     step: int               # steps completed after this one
     loss: float
     samples: int
     tokens: int
     seconds: float
-    peak_bytes: int | None  # peak above the pre-step baseline, as read by `probe`; None if no probe
+    peak_bytes: int | None  # the memory the step added (see above); None if no probe
     probe: str
     lr: float | None = None  # the learning rate this step used (the schedule's rate at this step)
 
@@ -223,15 +239,15 @@ class Learner:
         side_state = None if getattr(self.method, "advances_on_failure", False) else self._side_state()
         lr = self._apply_lr_schedule()
         probe = self._step_probe
-        baseline = None
-        if probe is not None:
-            probe.reset_peak()
-            baseline = probe.current_bytes()
-        self.backend.synchronize()
-        start = time.perf_counter()
+        # What the step adds to the memory held before it (edgetrain/step_memory.py says how it is read).
+        window = StepMemory(probe) if probe is not None else None
         try:
-            with observing_context(probe) if probe is not None else nullcontext():
+            with window if window is not None else nullcontext():
+                self.backend.synchronize()
+                start = time.perf_counter()
                 loss = self.method.step(batch, self.optimizer)
+                self.backend.synchronize()
+                seconds = time.perf_counter() - start
         except Exception as exc:
             self._finite_steps.put_back_interrupted(self.optimizer)
             if snapshot is not None:
@@ -243,9 +259,7 @@ class Learner:
                 raise
             raise TrainingError(f"step {self.steps_done + 1} stopped on batch {batch.index}: {exc}; "
                                 "the weights of the last good step are kept") from None
-        self.backend.synchronize()
-        seconds = time.perf_counter() - start
-        peak = None if probe is None else max(0, probe.peak_bytes() - baseline)
+        peak = None if window is None else window.added_bytes
         loss_value = float(loss)
         if not math.isfinite(loss_value):
             raise TrainingError(f"non-finite loss {loss_value} at step {self.steps_done + 1} (batch {batch.index})")
@@ -262,14 +276,34 @@ class Learner:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _first_step_within_budget(self, batch: Batch) -> StepStats:
-        """Measure the first step; if weights + its peak exceed the budget, undo it and refuse (or
-        switch to the next allowed lower-memory method and measure again)."""
-        tried = []
+        """Measure the first step; refuse it, undone, when the memory it adds does not fit what the budget
+        leaves beside the weights (or switch to the next allowed method and measure again).
+
+        What is charged. The budget is the device's allowance for one training process (a device
+        profile's memory_budget_mib: "weights included, leaving room for the OS and the app"). Training
+        holds two things in it: the weights, and what a step adds while it runs.
+        - The weights are charged once, at their full size (parameters and buffers), however they are
+          held: in the process's own memory, or memory-mapped from the checkpoint (safetensors), resident
+          or not yet read. The first forward reads all of them, so a device that trains must hold them.
+        - The step is charged what it adds above the memory held before it (StepStats.peak_bytes;
+          edgetrain/step_memory.py). Pages the step maps in from the weights' file are not step memory:
+          charging them too counted memory-mapped weights twice and refused a step that fits (SmolLM2-135M
+          from safetensors: mesp "needed" 1,046 MiB against a 622 MiB budget, where weights 522 MiB + the
+          30 MiB its step adds fit).
+        - What the process held before the weights -- the interpreter, torch's libraries, allocator
+          caches -- is not charged: it is the app's share of the device, the same whichever method runs,
+          and charging it would make one budget mean different things in a notebook and in a lean script
+          (and in the exported runtime a phone runs).
+        So a step is refused when weights + what it adds > budget: when what it adds does not fit what
+        the budget leaves beside the weights. The refusal ranks the methods by the memory their step adds
+        (measured where they ran, estimated from the model's shape where not: edgetrain/step_estimates.py)."""
+        tried: list[StepFigure] = []
         while True:
             over = first_slice_over_budget(self._measure_undone_step, batch, self.weights_bytes,
                                            self.memory_budget)
             if over is not None:
-                tried.append(over.describe(self.method_name))
+                tried.append(StepFigure(self.method_name, over.needed_bytes - self.weights_bytes, measured=True,
+                                        slice_tokens=over.slice_tokens, batch_tokens=over.batch_tokens))
             else:
                 snapshot = self._snapshot()
                 self._budget_checked = True
@@ -279,24 +313,25 @@ class Learner:
                     stats = self.step(batch)
                 finally:
                     self._step_probe = self.probe
-                needed = self.weights_bytes + (stats.peak_bytes or 0)
-                if needed <= self.memory_budget:
+                added = stats.peak_bytes or 0
+                if self.weights_bytes + added <= self.memory_budget:
                     return stats
                 self._restore_snapshot(snapshot)
                 self.steps_done -= 1
-                tried.append(f"{self.method_name}: {needed / 2**20:,.1f} MiB")
-            candidates = [m for m in self.fallback_methods if m not in [t.split(":")[0] for t in tried]]
+                tried.append(StepFigure(self.method_name, added, measured=True))
+            candidates = [m for m in self.fallback_methods if m not in {figure.method for figure in tried}]
             if not candidates:
                 raise MemoryBudgetError(self._budget_message(batch, self._budget_probe.name, tried))
             self._use_method(candidates[0])
-            log.warning("%s is over the %s MiB budget; falling back to %s", tried[-1],
-                        f"{self.memory_budget / 2**20:,.1f}", self.method_name)
+            log.warning("%s adds more than the %s MiB the budget leaves beside the weights; falling back to %s",
+                        tried[-1].describe(), f"{max(0, self.memory_budget - self.weights_bytes) / 2**20:,.1f}",
+                        self.method_name)
             self._budget_checked = False
 
     def _measure_undone_step(self, batch: Batch) -> int | None:
-        """The peak of one step on `batch`, measured by the budget probe, then undone entirely: weights,
-        optimizer and method state, RNG, running statistics and counters are as before. None when the
-        step cannot run on this batch (the full step will then say why)."""
+        """What one step on `batch` adds (StepStats.peak_bytes), measured by the budget probe, then undone
+        entirely: weights, optimizer and method state, RNG, running statistics and counters are as before.
+        None when the step cannot run on this batch (the full step will then say why)."""
         snapshot, side_state = self._snapshot(), self._side_state()
         method_state = copy.deepcopy(self.method.state_dict())
         counters = (self.steps_done, self.stream_position)
@@ -316,9 +351,13 @@ class Learner:
             self.steps_done, self.stream_position = counters
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _budget_message(self, batch: Batch, probe_name: str, tried: list[str]) -> str:
+    def _budget_message(self, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
+        candidates = {*FALLBACK_ORDER, "bp", *(figure.method for figure in tried)}
+        estimates = {name: estimate_step_bytes(self.model, batch, name)
+                     for name in sorted(candidates) if name in METHODS}
+        ranked = rank_methods(tried, estimates)
         suggestions = []
-        lower = [m for m in FALLBACK_ORDER if m in METHODS and m not in [t.split(":")[0] for t in tried]]
+        lower = lower_memory_methods(tried, ranked, FALLBACK_ORDER, METHODS.names())
         if lower:
             suggestions.append(f"a lower-memory method ({', '.join(lower)}; allow it with fallback_methods=)")
         if batch.inputs.dim() >= 2 and getattr(self.model, "task", None) == "lm":
@@ -328,9 +367,9 @@ class Learner:
         config = getattr(self.model, "lora_config", None)
         if config is not None:
             suggestions.append(f"a smaller LoRA rank (now {config.rank})")
-        return (f"the first step needs {'; '.join(tried)} (weights {self.weights_bytes / 2**20:,.1f} MiB + "
-                f"training peak measured by the {probe_name} probe), over the memory budget of "
-                f"{self.memory_budget / 2**20:,.1f} MiB{self.memory_budget_origin}. Try " + ", or ".join(suggestions or ["a smaller model"]))
+        return refusal_message(tried, ranked, weights_bytes=self.weights_bytes, budget_bytes=self.memory_budget,
+                               budget_origin=self.memory_budget_origin, probe_name=probe_name,
+                               suggestions=suggestions)
 
     def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
         """Loss and gradient (or the method's estimate) per trainable parameter; weights unchanged."""

@@ -6,6 +6,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from edgetrain.precision import compute_dtype
 from edgetrain.registry import Registry
 
 IGNORE_INDEX = -100
@@ -15,15 +16,17 @@ TASK_LOSSES: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Re
 
 @TASK_LOSSES.register("lm")
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over positions with a target, computed in fp32.
+    """Mean next-token cross-entropy over positions with a target, computed in fp32 (in fp64 for an
+    fp64 model: edgetrain.precision).
 
     `targets` is already aligned with `logits` (targets[:, t] is the token after input t)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+    flat = logits.flatten(0, -2)
+    return F.cross_entropy(flat.to(compute_dtype(flat.dtype)), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
 @TASK_LOSSES.register("classify")
 def classify_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets)
+    return F.cross_entropy(logits.to(compute_dtype(logits.dtype)), targets)
 
 
 def task_loss(model: torch.nn.Module, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

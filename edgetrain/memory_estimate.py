@@ -67,9 +67,11 @@ def batch_slices(batch: Batch, fractions: tuple[float, ...] = SLICE_FRACTIONS) -
 
 def first_slice_over_budget(measure_step: Callable[[Batch], int | None], batch: Batch, weights_bytes: int,
                             budget_bytes: int) -> SliceOverBudget | None:
-    """Run `measure_step` (a step that is undone afterwards; returns its measured peak in bytes, or None
-    when the slice cannot be measured) on growing slices of `batch`; the first slice whose weights +
-    peak exceed the budget, or None when every slice fits (then measure the full step)."""
+    """Run `measure_step` (a step that is undone afterwards; returns the memory it adds in bytes, as
+    StepStats.peak_bytes, or None when the slice cannot be measured) on growing slices of `batch`; the
+    first slice whose weights + added memory exceed the budget, or None when every slice fits (then
+    measure the full step). `weights_bytes` is what the budget charges before the step: the weights,
+    once (see Learner._first_step_within_budget)."""
     for piece in batch_slices(batch):
         peak = measure_step(piece)
         if peak is None:

@@ -114,6 +114,16 @@ def test_no_import_cycle_inside_edgetrain_even_through_imports_inside_functions(
         "\n".join(", ".join(cycle) for cycle in cycles)
 
 
+def test_methods_never_import_distributed():
+    # A method is what one process runs; the multi-process programs in edgetrain/distributed/ build on the
+    # methods, never the other way round (subnet_dp's masks and simulation live in methods/subnet_dp/).
+    graph = import_graph()
+    offenders = sorted(f"{module} imports {target}" for module, targets in graph.items()
+                       if module.startswith("edgetrain.methods") for target in targets
+                       if target.startswith("edgetrain.distributed"))
+    assert offenders == [], "\n".join(offenders)
+
+
 def test_the_cycle_finder_finds_a_cycle_through_three_modules_and_ignores_a_chain():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []

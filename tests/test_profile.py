@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from edgetrain.cli import main as cli_main
 from edgetrain.profiler.config import RECORD_FIELDS
@@ -42,6 +43,36 @@ def test_json_schema(bp_mebp_records):
         assert record["grad_max_rel_err"] < 1e-5
     # Same weights and batch for every method, so the same loss.
     assert records[0]["loss"] == pytest.approx(records[1]["loss"], rel=1e-6)
+
+
+def test_gradient_errors_are_against_an_fp64_reference_bps_own_included(bp_mebp_records):
+    """Every method's gradient is compared with bp on a float64 copy of the model, so fp32 bp has an error
+    of its own (its fp32 loss and reductions), shown in the table like the others'."""
+    records, _ = bp_mebp_records
+    assert all(r["grad_reference"] == "bp in float64" for r in records)
+    bp = records[0]
+    assert 0 < bp["grad_max_rel_err"] < 1e-5 and bp["grad_cosine"] < 1.0
+    assert bp["reference_loss"] == pytest.approx(bp["loss"], rel=1e-6)
+    table = format_table(records)
+    assert "max rel err vs ref" in table and "against bp in float64 on the same batch and weights" in table
+    assert f"{bp['grad_max_rel_err']:.1e}" in table
+
+
+def test_the_fidelity_reference_is_autograd_in_float64(tiny_lora, text_batches):
+    import copy
+
+    from edgetrain.methods import METHODS
+    from edgetrain.profiler.worker import gradient_fidelity
+
+    model, batch = tiny_lora(rank=8), text_batches(1, seq_len=64)[0]
+    fidelity = gradient_fidelity(model, "mesp", batch, {})
+    _, exact = METHODS.get("bp")(copy.deepcopy(model).double()).gradients(batch)
+    _, ours = METHODS.get("mesp")(model).gradients(batch)
+    expected = max(float((ours[k].double() - exact[k]).abs().max() / exact[k].abs().max()) for k in exact)
+    assert fidelity["grad_max_rel_err"] == pytest.approx(expected, rel=1e-9)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the copy was made in float64, not the model
+    double = copy.deepcopy(model).double()
+    assert gradient_fidelity(double, "bp", batch, {})["grad_max_rel_err"] == 0.0
 
 
 def test_mebp_keeps_less_than_bp(bp_mebp_records):

@@ -46,5 +46,12 @@ def test_readme_real_model_personalisation_runs_and_lowers_held_out_perplexity(t
     evals = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"loss"')]
     before, after = evals[0]["perplexity"], evals[1]["perplexity"]
     assert after <= 0.8 * before, (before, after)
-    written = done.stdout.splitlines()[-1]
-    assert written.strip(), "generate wrote nothing"
+    lines = done.stdout.splitlines()
+    assert lines[-1].strip() == "adapter.gguf"  # export-adapter prints what it wrote
+    generated = [line for line in lines[:-1] if line.strip() and not line.startswith('{"loss"')]
+    assert generated, "generate wrote nothing"
+    from edgetrain.adapters.convert import AdapterBase, read_adapter
+    from edgetrain.models.decoder_config import decoder_config
+
+    config, _ = read_adapter(tmp_path / "adapter.gguf", AdapterBase(config=decoder_config("smollm2-135m")))
+    assert config.rank == 8

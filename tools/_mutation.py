@@ -75,7 +75,7 @@ TARGETS: dict[str, Target] = {
     "averaging_torchrun": Target(["edgetrain/distributed/subnet/averaging.py"], [
         KILLS_OF.format("averaging_torchrun"), "tests/distributed/test_subnet_distributed.py"],
         only=["_Piece", "_Bucket", "MaskedAverager", "gather_full_state"]),
-    "subnet_method": Target(["edgetrain/distributed/subnet/method.py"], [
+    "subnet_method": Target(["edgetrain/methods/subnet_dp/method.py"], [
         "tests/promises/test_step_formula*subnet*.py", KILLS, "tests/distributed/test_subnet_method.py"]),
     "bp": Target(["edgetrain/methods/bp.py"], [
         "tests/promises/test_step_formula*bp*.py", KILLS,
@@ -111,17 +111,18 @@ TARGETS: dict[str, Target] = {
         "tests/promises/test_step_formula_bp.py", NON_FINITE]),
     "scpl": Target(["edgetrain/methods/scpl/method.py"], [
         "tests/promises/test_step_formula*scpl*.py", KILLS_OF.format("scpl"), "tests/methods/test_scpl.py"]),
-    "segprop": Target(["edgetrain/methods/segprop/trainer.py"], [
+    "segprop": Target([f"edgetrain/methods/segprop/{name}.py"
+                       for name in ("trainer", "schedule", "stage_parts", "prefix_cache")], [
         "tests/promises/test_step_formula*segprop*.py", KILLS_OF.format("segprop"), "tests/methods/test_segprop.py"],
         # The stage logic: what trains in each stage, the global head, the update and its rates, stage
-        # advance and resume. (Option parsing in __init__, the final model and pin_eval are left out.)
-        only=["cosine_multiplier", "ActivePath", "_module_params", "_unique", "StagedTrainer._body_modules",
-              "StagedTrainer._head_modules", "StagedTrainer._committed_modules", "StagedTrainer._build_path",
-              "StagedTrainer._apply_stage", "StagedTrainer._trainable_ids", "StagedTrainer._all_params",
+        # advance and resume. (Option parsing in __init__, the final model and the eval() pins are left out.)
+        only=["cosine_multiplier", "Plateau.reached", "Plateau.load", "StageClock.lr_multipliers",
+              "StageClock.tick", "StageClock.next_stage", "StageClock.state_dict", "StageClock.load_state_dict",
+              "ActivePath", "module_params", "unique", "StageParts.body", "StageParts.head", "StageParts.committed",
+              "StageParts.path", "FrozenPrefix.state", "StagedTrainer._apply_stage", "StagedTrainer._trainable_ids",
               "StagedTrainer.frozen_state", "StagedTrainer.forward_loss", "StagedTrainer.gradients",
-              "StagedTrainer.step", "StagedTrainer.lr_multipliers", "StagedTrainer._update",
-              "StagedTrainer._scaled_step", "StagedTrainer._after_step", "StagedTrainer._plateau_reached",
-              "StagedTrainer.advance_stage", "StagedTrainer.state_dict", "StagedTrainer.load_state_dict"]),
+              "StagedTrainer.step", "StagedTrainer._update", "_scaled_step", "StagedTrainer.advance_stage",
+              "StagedTrainer.state_dict", "StagedTrainer.load_state_dict"]),
     "resume": Target(["edgetrain/learner.py"], [
         KILLS, "tests/reliability/test_crash_safe_saves.py",
         "tests/test_learner.py::test_save_load_resumes_exactly",

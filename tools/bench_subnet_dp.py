@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from edgetrain.distributed.subnet.alignment import mean_alignment  # noqa: E402
 from edgetrain.distributed.subnet.run import launch_local, load_data  # noqa: E402
 from edgetrain.distributed.subnet.trainer import (SubnetDPConfig, train_simulated,  # noqa: E402
                                                   train_stochastic_depth)
+from edgetrain.methods.subnet_dp.alignment import mean_alignment  # noqa: E402
 from edgetrain.models.resnet_subnet import digits_subnet_config  # noqa: E402
 from edgetrain.checkpoint import atomic_write_json  # noqa: E402
 from edgetrain.profiler.bench import (Arm, Column, format_table, measure_interleaved, summarise,  # noqa: E402

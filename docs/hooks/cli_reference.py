@@ -113,6 +113,8 @@ def cli_reference() -> str:
     parts = [render_parser("edgetrain", parser)]
     for name, subparser in _subcommands(parser):
         parts.append(render_parser(f"edgetrain {name}", subparser))
+        for action, nested in _subcommands(subparser):  # e.g. `edgetrain personalise add`
+            parts.append(render_parser(f"edgetrain {name} {action}", nested, level=3))
     parts.append("## Server-side programs (torchrun)\n\nStarted as `torchrun [torchrun options] -m MODULE "
                  "ARGS`; gloo on CPU, nccl on CUDA.\n")
     for module_name in TORCHRUN_ENTRY_POINTS:

@@ -13,7 +13,8 @@ EXIT_CODES = """exit codes:
   1    a bug in edgetrain: anything else (a traceback); please report it"""
 
 SUBCOMMANDS = {"profile": "profile", "train": "train", "generate": "generate", "eval": "evaluate",
-               "export": "export", "export-adapter": "export_adapter", "list": "list"}
+               "export": "export", "export-adapter": "export_adapter", "list": "list",
+               "personalise": "personalise"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,9 @@
 """Measure what a training step costs in memory and time, method by method.
 
-Each method runs in a fresh subprocess after a warm-up step. Memory is the peak above the pre-step
-baseline (the model's weights are excluded), read by the OS/allocator probe of the backend and by
-tensor accounting; gradient fidelity compares each method's gradient with exact autograd on the same
-batch and weights.
+Each method runs in a fresh subprocess after a warm-up step. Memory is what a step adds above the
+pre-step baseline (the model's weights are excluded), read by the OS/allocator probe of the backend and by
+tensor accounting; gradient fidelity compares each method's gradient with the fp64 reference, bp on a
+float64 copy of the model, on the same batch and weights (so fp32 bp has an error of its own too).
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     parser.add_argument("--quantize-bits", type=int, default=None, metavar="N",
                         help="mlx backend: base weights in N bits, group size 64 (4: the MeSP paper's setup)")
-    parser.add_argument("--no-fidelity", action="store_true", help="skip the gradient comparison with autograd")
+    parser.add_argument("--no-fidelity", action="store_true",
+                        help="skip the gradient comparison with the fp64 reference (bp on a float64 copy)")
     parser.add_argument("--target", default=None, help="device profile from targets/ (budget warning)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write one JSON record per method")
     parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG bar chart")

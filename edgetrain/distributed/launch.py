@@ -9,9 +9,8 @@ The retry is never silent: it raises a RuntimeWarning naming the rank and the si
 `TorchrunResult.attempts` says 2. The decision reads torch.distributed.elastic's own record of the failure
 (exit code and signal of each rank, which failed first), written as JSON by edgetrain.distributed.elastic_run.
 
-torchrun's own `--max-restarts` is not used: its in-agent restart of the group proved unreliable with gloo
-(the launcher row of docs/reliability.md). A run that outlives its timeout is killed with all its workers,
-so none is left behind holding a port.
+torchrun's own `--max-restarts` is not used (the launcher row of docs/reliability.md says why). A run that
+outlives its timeout is killed with all its workers, so none is left behind holding a port.
 """
 from __future__ import annotations
 

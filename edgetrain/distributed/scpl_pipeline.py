@@ -39,7 +39,6 @@ import os
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -49,12 +48,9 @@ import torch.distributed as dist
 
 from edgetrain.data.batch import Batch
 from edgetrain.distributed.launch import run_torchrun
+from edgetrain.distributed.p2p import Channel
 from edgetrain.registry import EdgetrainError
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int64: 4,
-               torch.int32: 5}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
 METHODS_RUN = ("scpl", "early_exit")
 
 
@@ -88,51 +84,6 @@ class PipelineConfig:
                 raise EdgetrainError(f"scpl_pipeline: {name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0 or self.warmup_steps < 0:
             raise EdgetrainError("scpl_pipeline: steps and warmup_steps must be >= 0")
-
-
-# -- point-to-point messages --------------------------------------------------------------------
-
-class Channel:
-    """Tensors to the next worker (non-blocking, a bounded queue of outstanding sends) and from the
-    previous one (blocking). A message is a fixed-size header (dtype, shape) and the payload."""
-
-    def __init__(self, rank: int, world: int, device: torch.device, max_pending: int) -> None:
-        self.rank, self.world, self.device = rank, world, device
-        self.pending: deque[tuple[Any, torch.Tensor]] = deque()
-        self.max_pending = max_pending
-        self.wait_seconds = 0.0  # time blocked receiving or on the send queue: the pipeline's bubbles
-
-    def send(self, tensor: torch.Tensor) -> None:
-        if tensor.dim() > HEADER_LEN - 2 or tensor.dtype not in DTYPE_CODES:
-            raise EdgetrainError(f"scpl_pipeline cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        header[0], header[1] = DTYPE_CODES[tensor.dtype], tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        for payload in (header.to(self.device), tensor.detach().contiguous().to(self.device)):
-            self.pending.append((dist.isend(payload, self.rank + 1), payload))
-        while len(self.pending) > self.max_pending:
-            self._wait_oldest()
-
-    def _wait_oldest(self) -> None:
-        start = time.perf_counter()
-        work, _ = self.pending.popleft()
-        work.wait()
-        self.wait_seconds += time.perf_counter() - start
-
-    def flush(self) -> None:
-        while self.pending:
-            self._wait_oldest()
-
-    def recv(self) -> torch.Tensor:
-        start = time.perf_counter()
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, self.rank - 1)
-        header = header.cpu()
-        dtype, ndim = CODE_DTYPES[int(header[0])], int(header[1])
-        tensor = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=self.device)
-        dist.recv(tensor, self.rank - 1)
-        self.wait_seconds += time.perf_counter() - start
-        return tensor
 
 
 def build_model(spec: str) -> torch.nn.Module:

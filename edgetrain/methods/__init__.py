@@ -4,7 +4,7 @@ from edgetrain.methods import mesp  # noqa: F401
 from edgetrain.methods import asyncfgd, fgd  # noqa: F401
 from edgetrain.methods import scpl  # noqa: F401
 from edgetrain.methods import segprop  # noqa: F401
-from edgetrain.distributed.subnet import method as _subnet_dp  # noqa: F401  (registers subnet_dp)
+from edgetrain.methods import subnet_dp  # noqa: F401  (registers subnet_dp)
 from edgetrain.methods.base import METHODS, TrainingMethod, trainable_parameters
 
 __all__ = ["METHODS", "TrainingMethod", "trainable_parameters"]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from edgetrain.precision import compute_dtype
 from edgetrain.registry import EdgetrainError
 
 # Sizes beyond these are not a decoder any device in scope could hold; a config past them is damaged.
@@ -187,9 +188,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference implementations do, so bf16 models match them.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in fp32 as the reference implementations do, so bf16 models match them; an fp64
+        # model normalises in fp64 (edgetrain.precision), so that it is a true fp64 reference.
+        work = x.to(compute_dtype(x.dtype, self.weight.dtype))
+        normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
 

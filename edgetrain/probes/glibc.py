@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 # glibc <malloc.h>: mallopt parameter number of M_MMAP_THRESHOLD.
 M_MMAP_THRESHOLD = -3
@@ -71,6 +73,73 @@ def release_free_heap() -> bool:
     malloc_trim.restype = ctypes.c_int
     malloc_trim(0)
     return True
+
+
+def main_heap_range(maps_path: str = "/proc/self/maps") -> tuple[int, int] | None:
+    """[start, end) of the main arena's heap (the `[heap]` mapping), or None where there is none to read."""
+    try:
+        with open(maps_path) as f:
+            for line in f:
+                if line.rstrip().endswith("[heap]"):
+                    start, end = line.split()[0].split("-")
+                    return int(start, 16), int(end, 16)
+    except OSError:
+        return None
+    return None
+
+
+@contextmanager
+def plugged_free_heap(min_bytes: int = STABLE_MMAP_THRESHOLD_BYTES) -> Iterator[int]:
+    """Occupy the main heap's free chunks of `min_bytes` or more for the duration, without touching them;
+    yields how many bytes were plugged.
+
+    Why: glibc serves a large request from a free heap chunk that fits before it maps fresh memory, and a
+    chunk freed inside the heap stays resident. A process whose heap holds large free chunks (memory
+    allocated and freed before the mmap threshold was pinned: a model loaded, an autograd step) runs a
+    measured region in them; blocks freed and allocated again during the region land at new places in
+    those chunks, so RSS climbs past the region's live peak (a mesp step read 46 MiB after one bp step
+    had left such chunks, 35 MiB in a fresh process). With the chunks plugged, the region's large blocks
+    are mapped and unmapped as in a fresh process. Plugs cost address space, not memory: malloc hands out
+    a chunk without touching it (after release_free_heap its pages are not resident). Sizes are tried from
+    the heap's size down by halves; a block that comes back outside the heap (mapped) ends that size.
+    Only the main arena (the main thread's, which runs the step) is plugged; other threads' arenas keep
+    their free chunks. No-op off glibc or where /proc/self/maps has no heap."""
+    libc = _libc()
+    heap = main_heap_range() if libc is not None else None
+    plugs: list[int] = []
+    plugged = 0
+    try:
+        if heap is not None:
+            start, end = heap
+            size = 1 << max(0, (end - start).bit_length() - 1)
+            while size >= min_bytes:
+                while True:
+                    address = libc.malloc(size)
+                    if not address:
+                        break
+                    if not start <= address < end:
+                        libc.free(address)
+                        break
+                    plugs.append(address)
+                    plugged += size
+                size //= 2
+        yield plugged
+    finally:
+        for address in plugs:
+            libc.free(address)
+
+
+def _libc() -> Any:
+    """The C library's malloc and free, typed, or None off glibc."""
+    if glibc_version() is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+        libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def malloc_threshold_env(threshold_bytes: int = STABLE_MMAP_THRESHOLD_BYTES) -> dict[str, str]:

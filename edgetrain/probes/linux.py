@@ -2,6 +2,7 @@
 
 Peak: `VmHWM` in /proc/<pid>/status, restarted by writing "5" to /proc/<pid>/clear_refs (Linux >= 4.0).
 Current: `Rss` in /proc/<pid>/smaps_rollup (an exact page-table walk, Linux >= 4.14), else `VmRSS`.
+File-backed: `RssFile` in /proc/<pid>/status (Linux >= 4.5), the part of RSS mapped from files.
 
 glibc's mmap threshold makes a step's RSS peak depend on earlier steps: see edgetrain/probes/glibc.py.
 """
@@ -136,6 +137,15 @@ class LinuxProbe:
         except OSError:  # before Linux 4.14, or not readable: the counter-based figure
             rss = None
         return rss if rss is not None else self._field("status", "VmRSS")
+
+    def file_backed_bytes(self) -> int | None:
+        """Resident pages mapped from files (`RssFile`, Linux >= 4.5): library code and memory-mapped
+        weights, which a step maps in but does not allocate (edgetrain/step_memory.py subtracts their
+        growth). None where the kernel does not say."""
+        try:
+            return _read_kb_field(self.proc_dir / "status", "RssFile")
+        except OSError:
+            return None
 
     def _field(self, file: str, field: str) -> int:
         path = self.proc_dir / file

@@ -29,6 +29,17 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _gradient_reference_line(records: list[dict[str, Any]]) -> str:
+    """Which gradient the "vs ref" columns compare with: the records say (the torch profiler's is bp in
+    float64 on a float64 copy of the model, so fp32 bp's own error shows too)."""
+    references = sorted({str(r["grad_reference"]) for r in records if r.get("grad_reference")})
+    if not references:
+        compared = any(r.get("grad_cosine") is not None for r in records)
+        return "\ngradients vs ref: against the backend's own bp on the same batch and weights" if compared else ""
+    return (f"\ngradients vs ref: cosine and max relative error against {' / '.join(references)} on the same "
+            "batch and weights (every method's own error, the first method's included)")
+
+
 def format_table(records: list[dict[str, Any]]) -> str:
     """Methods as rows; memory and time also as ratios to the first method listed."""
     if not records:
@@ -42,9 +53,10 @@ def format_table(records: list[dict[str, Any]]) -> str:
             + (f"BLAS: {first['blas']}\n" if first.get("blas") else f"{first.get('torch_threads', '?')} threads\n")
             + f"peak = training memory above the pre-step baseline (weights excluded); "
             f"probe: {first.get('probe', '-')} (OS/allocator), tensors: live tensor storages; "
-            f"ratios are to {first['method']}")
+            f"ratios are to {first['method']}"
+            + _gradient_reference_line(records))
     columns = ["method", "probe MiB", "ratio", "tensors MiB", "ratio", "s/step", "ratio", "loss",
-               "grad cos", "max rel err", "peak in"]
+               "grad cos vs ref", "max rel err vs ref", "peak in"]
     rows = [columns]
     for record in records:
         rows.append([

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgetrain.distributed.subnet.masks import (MaskError, ResNetLayout, SubnetPlan, assign_masks, owner_counts,
-                                                parameter_role, plan_from_parameter_masks)
+from edgetrain.methods.subnet_dp import (MaskError, ResNetLayout, SubnetPlan, assign_masks, owner_counts,
+                                         parameter_role, plan_from_parameter_masks)
 from edgetrain.models.resnet import ResNet, ResNetConfig
 from edgetrain.models.resnet_subnet import SubnetResNetConfig, build_subnet_resnet, digits_subnet_config
 

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 import edgetrain
-import edgetrain.distributed.subnet.method  # noqa: F401  (registers subnet_dp)
+import edgetrain.methods.subnet_dp.method  # noqa: F401  (registers subnet_dp)
 from edgetrain.data.batch import Batch
-from edgetrain.distributed.subnet.alignment import gradient_alignment, mean_alignment
-from edgetrain.distributed.subnet.masks import assign_masks
-from edgetrain.distributed.subnet.method import SubnetDPSimulation
-from edgetrain.distributed.subnet.trainer import (SubnetDPConfig, epochs_to_run, lr_factor, total_steps,
-                                                  train_simulated, train_stochastic_depth)
+from edgetrain.distributed.subnet.config import SubnetDPConfig, epochs_to_run, lr_factor, total_steps
+from edgetrain.distributed.subnet.trainer import train_simulated, train_stochastic_depth
 from edgetrain.methods.base import METHODS, TrainingError
+from edgetrain.methods.subnet_dp.alignment import gradient_alignment, mean_alignment
+from edgetrain.methods.subnet_dp.assign import assign_masks
+from edgetrain.methods.subnet_dp.method import SubnetDPSimulation
 from edgetrain.models.resnet_subnet import build_subnet_resnet, digits_subnet_config
 from edgetrain.registry import EdgetrainError
 
@@ -53,7 +53,7 @@ def test_reachable_by_name_from_a_plain_import_edgetrain():
     to import edgetrain.distributed.subnet to get the method (or the subnet ResNet presets) by name."""
     import edgetrain.methods
 
-    assert edgetrain.methods._subnet_dp.__name__ == "edgetrain.distributed.subnet.method"
+    assert edgetrain.methods.subnet_dp.__name__ == "edgetrain.methods.subnet_dp"
     assert METHODS.get("subnet_dp") is SubnetDPSimulation
     learner = edgetrain.Learner(edgetrain.load_model("resnet-digits-subnet"), method="subnet_dp", lr=0.05,
                                 probe=False, method_options={"num_workers": 2, "overlap": 1, "masking": "block"})
@@ -128,7 +128,7 @@ def test_schedules_and_flop_matching():
     assert epochs_to_run(SubnetDPConfig(epochs=10, flop_matched=False), 8, 4) == 10
     assert total_steps(SubnetDPConfig(epochs=2, batch_size=16), 4, 2, 1437) == 4 * 22  # 1437 // 64 = 22
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    from edgetrain.distributed.subnet.trainer import make_optimizer
+    from edgetrain.distributed.subnet.config import make_optimizer
 
     sgd, _ = make_optimizer([torch.nn.Parameter(torch.zeros(1))], config, 10)
     assert sgd.defaults["nesterov"] and sgd.defaults["momentum"] == 0.9

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from edgetrain.distributed.subnet.averaging import average_masked_gradients
-from edgetrain.distributed.subnet.masks import assign_masks
-from edgetrain.distributed.subnet.subnetwork import (DroppedBlock, SlimBasicBlock, SubsetGroupNorm,
+from edgetrain.methods.subnet_dp.assign import assign_masks
+from edgetrain.methods.subnet_dp.subnetwork import (DroppedBlock, SlimBasicBlock, SubsetGroupNorm,
                                                      full_model_from_subnetworks, masked_forward,
                                                      materialise_subnetwork)
 from edgetrain.models.resnet_subnet import (SubnetResNetConfig, build_subnet_resnet, digits_subnet_config,

@@ -15,7 +15,7 @@ from edgetrain.methods.segprop import (ConvAdapter, LinearAdapter, SnapCheck, ev
                                        make_adapter, plan_lw, plan_segprop, unit_view)
 from edgetrain.methods.segprop.flops import schedule_flops
 from edgetrain.methods.segprop.plan import balanced_split
-from edgetrain.methods.segprop.trainer import cosine_multiplier
+from edgetrain.methods.segprop.schedule import cosine_multiplier
 from edgetrain.models.resnet import ResNetConfig, build_resnet
 from edgetrain.models.vit import ViTConfig, build_vit
 from edgetrain.models.zoo import run_blocks

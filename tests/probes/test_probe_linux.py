@@ -160,3 +160,47 @@ def test_mallopt_makes_identical_steps_report_identical_peaks():
 @glibc_only
 def test_env_helper_pins_the_threshold_of_a_child():
     _assert_stable(_child_peaks("plain", malloc_threshold_env()))
+
+
+def test_file_backed_bytes_reads_rssfile(tmp_path):
+    (tmp_path / "status").write_text("VmHWM:\t  300 kB\nVmRSS:\t  100 kB\nRssAnon:\t  60 kB\nRssFile:\t  40 kB\n")
+    assert LinuxProbe(proc_dir=tmp_path).file_backed_bytes() == 40 * 1024
+    (tmp_path / "status").write_text("VmHWM:\t  300 kB\nVmRSS:\t  100 kB\n")  # before Linux 4.5
+    assert LinuxProbe(proc_dir=tmp_path).file_backed_bytes() is None
+    assert LinuxProbe(proc_dir=tmp_path / "gone").file_backed_bytes() is None
+
+
+# Large free chunks in the heap (blocks allocated before the mmap threshold was pinned, then freed) would
+# serve a measured step's blocks unseen; plugged, they cannot, and a large block is mapped fresh instead.
+PLUGGED_HEAP = """
+import ctypes
+from edgetrain.probes.glibc import fix_malloc_mmap_threshold, main_heap_range, plugged_free_heap, release_free_heap
+MiB = 1 << 20
+libc = ctypes.CDLL(None)
+libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+assert fix_malloc_mmap_threshold(32 * MiB)[0]
+blocks = [libc.malloc(4 * MiB) for _ in range(16)]
+fix_malloc_mmap_threshold()
+for block in blocks[::2]:
+    libc.free(block)                       # 8 free 4 MiB chunks between live ones
+release_free_heap()
+start, end = main_heap_range()
+in_heap = lambda address: start <= address < end
+probe = libc.malloc(3 * MiB)
+assert in_heap(probe), "a freed heap chunk serves a large block"
+libc.free(probe)
+with plugged_free_heap() as plugged:
+    assert plugged >= 8 * 3 * MiB, plugged
+    probe = libc.malloc(3 * MiB)
+    assert not in_heap(probe), "with the free chunks plugged a large block is mapped fresh"
+    libc.free(probe)
+probe = libc.malloc(3 * MiB)
+assert in_heap(probe), "the plugs are gone afterwards"
+"""
+
+
+@linux_only
+@glibc_only
+def test_plugged_free_heap_keeps_large_blocks_out_of_free_heap_chunks():
+    _run_fresh(PLUGGED_HEAP)

@@ -174,7 +174,7 @@ def test_method_defaults_are_the_documented_ones(method: str, defaults: dict):
 
 
 def test_subnet_dp_defaults_are_the_documented_ones():
-    import edgetrain.distributed.subnet.method as subnet
+    import edgetrain.methods.subnet_dp.method as subnet
 
     built = subnet.SubnetDPSimulation(_subnet_resnet())
     assert built.options == {"num_workers": 4, "overlap": 2, "masking": "block", "mask_seed": 0, "load_slack": None}
@@ -190,7 +190,7 @@ def _subnet_resnet() -> nn.Module:
 def test_subnet_dp_resumes_only_into_the_same_worker_plan(tmp_path):
     # Another N, P or mask seed would average over other owners: the resumed run would not be the
     # checkpointed one.
-    import edgetrain.distributed.subnet.method  # noqa: F401  (registers subnet_dp)
+    import edgetrain.methods.subnet_dp.method  # noqa: F401  (registers subnet_dp)
 
     def learner(**options):
         return edgetrain.Learner(_subnet_resnet(), method="subnet_dp", optimizer="sgd", lr=0.05, probe=False,
@@ -211,7 +211,7 @@ def test_subnet_dp_with_one_worker_is_plain_gradient_descent():
     # everything, so its average is its own full-batch gradient.
     import torch.nn.functional as F
 
-    from edgetrain.distributed.subnet.method import SubnetDPSimulation
+    from edgetrain.methods.subnet_dp.method import SubnetDPSimulation
 
     model = _subnet_resnet()
     generator = torch.Generator().manual_seed(1)

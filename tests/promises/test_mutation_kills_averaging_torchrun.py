@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgetrain.distributed.subnet.masks import assign_masks, parameter_role
-from edgetrain.distributed.subnet.subnetwork import materialise_subnetwork
-from edgetrain.distributed.subnet.trainer import layout_of
+from edgetrain.distributed.subnet.config import layout_of
+from edgetrain.methods.subnet_dp.assign import assign_masks
+from edgetrain.methods.subnet_dp.layout import parameter_role
+from edgetrain.methods.subnet_dp.subnetwork import materialise_subnetwork
 from edgetrain.models.resnet_subnet import build_subnet_resnet, digits_subnet_config
 from edgetrain.registry import EdgetrainError
 

@@ -21,7 +21,7 @@ from torch import nn
 import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.methods.base import NonFiniteError
-from edgetrain.methods.segprop.trainer import cosine_multiplier
+from edgetrain.methods.segprop.schedule import cosine_multiplier
 from edgetrain.registry import EdgetrainError
 import float64_mlp
 from float64_mlp import feature_batches
@@ -48,7 +48,7 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def stage0_gradient(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     """d(stage-0 loss)/d(blocks.0, adapter 0, blocks.3, head), on a copy: embed -> blocks.0 -> adapter ->
-    blocks.3 -> head, the task loss in float32 as in edgetrain/losses.py."""
+    blocks.3 -> head, the task loss in the model's precision (float64 here) as in edgetrain/losses.py."""
     reference = copy.deepcopy(model)
     for param in reference.parameters():
         param.requires_grad_(True)
@@ -59,7 +59,7 @@ def stage0_gradient(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         h = module(h)
     trained = {id(p) for module in path for p in module.parameters()}
     params = {name: p for name, p in reference.named_parameters() if id(p) in trained}
-    loss = F.cross_entropy(h.float(), batch.targets)
+    loss = F.cross_entropy(h, batch.targets)
     return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
 
 

@@ -32,16 +32,16 @@ def directions(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
 
 
 def loss_at(model: nn.Module, weights: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
-    # The task loss is a float32 cross-entropy (edgetrain/losses.py), also for a float64 model.
-    return F.cross_entropy(functional_call(model, weights, (batch.inputs,)).float(), batch.targets)
+    # The task loss is a cross-entropy in the model's precision, float64 here (edgetrain/losses.py).
+    return F.cross_entropy(functional_call(model, weights, (batch.inputs,)), batch.targets)
 
 
 @torch.no_grad()
 def projected_gradient(model: nn.Module, batch: Batch, z: dict[str, torch.Tensor]) -> float:
     theta = {name: p.detach().clone() for name, p in model.named_parameters()}
     plus = {name: torch.add(theta[name], z[name], alpha=EPSILON) for name in theta}
-    # theta - eps z reached as the method walks there (+eps, then -2 eps): the float32 loss would
-    # otherwise round differently at a point 1e-17 away, and g is a difference quotient over 2e-3.
+    # theta - eps z reached as the method walks there (+eps, then -2 eps): the loss would otherwise
+    # round differently at a point 1e-17 away, and g is a difference quotient over 2e-3.
     minus = {name: torch.add(plus[name], z[name], alpha=-2 * EPSILON) for name in theta}
     return float((loss_at(model, plus, batch) - loss_at(model, minus, batch)) / (2 * EPSILON))
 

@@ -52,7 +52,7 @@ def local_gradients(model: nn.Module, batch: Batch) -> list[dict[str, torch.Tens
         for unit in units:
             r = unit(r)
         if local_head is None:
-            loss = F.cross_entropy(r.float(), batch.targets)  # the task loss, float32 as in edgetrain/losses.py
+            loss = F.cross_entropy(r, batch.targets)  # the task loss, float64 for float64 as in edgetrain/losses.py
         else:
             loss = supcon_loss(local_head(r), batch.targets, temperature=TEMPERATURE)
         own = [p for module in [*units, local_head] if module is not None for p in module.parameters()]
@@ -81,7 +81,7 @@ def test_scpl_step_moves_each_component_by_the_gradient_of_its_own_local_loss():
 def test_changing_a_later_components_loss_leaves_earlier_updates_unchanged(changed: int, monkeypatch):
     batch = feature_batch()
     updates = []
-    for scale in (1.0, 2.0):  # a power of two scales the float32 loss and its gradient exactly
+    for scale in (1.0, 2.0):  # a power of two scales the loss and its gradient exactly
         model = mlp_float64()
         learner = edgetrain.Learner(model, method="scpl", optimizer="sgd", lr=LR, probe=False, method_options=OPTIONS)
         component = learner.method.components[changed]

@@ -26,8 +26,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from edgetrain.distributed.subnet.masks import SubnetPlan, parameter_role
-from edgetrain.distributed.subnet.subnetwork import Subnetwork
+from edgetrain.methods.subnet_dp.layout import parameter_role
+from edgetrain.methods.subnet_dp.plan import SubnetPlan
+from edgetrain.methods.subnet_dp.subnetwork import Subnetwork
 from edgetrain.registry import EdgetrainError
 
 

@@ -27,7 +27,7 @@ DATASETS = ("digits", "fashion-mnist", "random-cifar")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from edgetrain.distributed.subnet.trainer import SCHEDULERS
+    from edgetrain.distributed.subnet.config import SCHEDULERS
 
     parser = argparse.ArgumentParser(prog="python -m edgetrain.distributed.subnet.run",
                                      description="Subnetwork data parallelism (launch with torchrun)")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load-slack", type=float, default=None,
                         help="block masking: no worker holds more than (1 + S) x the balance-first assignment's "
                              "heaviest; within that, owners that leave the fewest branch pairs untrained together "
-                             "(masks.assign_masks); default 0.2, 0 for balance first")
+                             "(edgetrain.methods.subnet_dp.assign); default 0.2, 0 for balance first")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--check-sync", type=int, default=0, help="check owners agree every K steps")

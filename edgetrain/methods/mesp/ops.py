@@ -5,8 +5,9 @@ tensors live and for how long. Every backward recomputes what it needs from the 
 (RMSNorm's 1/rms, the attention probabilities, SiLU's sigmoid, LoRA's x @ A^T) instead of relying on
 anything stored by the forward.
 
-Precision follows the model code: RMSNorm normalises in fp32, attention softmax runs in fp32 for
-low-precision inputs, everything else runs in the input dtype. Gradient accumulators handed in by
+Precision follows the model code: RMSNorm normalises and attention's softmax runs in
+edgetrain.precision.compute_dtype (fp32 for fp32 and low-precision inputs, fp64 for fp64 ones, as
+the model's own RMSNorm and loss), everything else runs in the input dtype. Gradient accumulators handed in by
 the caller may be wider than the inputs (fp32 for a bf16 model): partial products are added into
 them, never rounded back in between.
 """
@@ -19,10 +20,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from edgetrain import precision
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half-precision inputs (softmax and reductions lose too much in bf16), else unchanged."""
-    return torch.promote_types(dtype, torch.float32)
+    return precision.compute_dtype(dtype)
 
 
 def accumulate_matmul(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
@@ -37,9 +40,10 @@ def accumulate_matmul(accumulator: torch.Tensor, left: torch.Tensor, right: torc
 # -- RMSNorm ---------------------------------------------------------------------------------------
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)), the normalisation in fp32 and rounded to x's dtype before the weight."""
-    x32 = x.float() if x.dtype != torch.float64 else x
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    """weight * (x / rms(x)), the normalisation in compute_dtype (as the model's RMSNorm) and rounded to
+    x's dtype before the weight."""
+    work = x.to(precision.compute_dtype(x.dtype, weight.dtype))
+    normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 
 
@@ -49,7 +53,7 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     With r = 1/rms(x) and n = x r:  dx = r (g - n mean(g n)),  g = weight * dL/dy.
     """
-    work_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    work_dtype = precision.compute_dtype(x.dtype, weight.dtype)
     x32 = x.to(work_dtype)
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     grad_normed = (grad_out * weight).to(work_dtype)

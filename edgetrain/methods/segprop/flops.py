@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain.methods.segprop.evaluation import all_in_eval
 from edgetrain.methods.segprop.trainer import StagedTrainer
 
 
@@ -36,11 +37,7 @@ def part_flops(trainer: StagedTrainer, inputs: torch.Tensor) -> dict[str, Any]:
     """Forward FLOPs per sample of the embedding, each unit, each stage's bridge and the head."""
     view = trainer.view
     batch = inputs.shape[0]
-    modules = [view.embed, *view.units, view.head, *trainer.adapters.values()]
-    modes = [(m, m.training) for module in modules for m in module.modules()]
-    try:
-        for module in modules:
-            torch.nn.Module.train(module, False)
+    with all_in_eval([view.embed, *view.units, view.head, *trainer.adapters.values()]):
         embed, state = _flops(view.embed, inputs)
         states, units = [state], []
         for unit in view.units:
@@ -53,9 +50,6 @@ def part_flops(trainer: StagedTrainer, inputs: torch.Tensor) -> dict[str, Any]:
             bridge = trainer.bridge(stage)
             if bridge is not None:
                 bridges[stage.index] = _flops(bridge, states[stage.end])[0] / batch
-    finally:
-        for m, mode in modes:
-            m.training = mode
     return {"embed": embed / batch, "units": units, "head": head / batch, "bridges": bridges}
 
 

@@ -1,11 +1,10 @@
-"""The stage-by-stage trainer behind `segprop` and `lw`: one object that is both a TrainingMethod (one
-step of the current stage per `step(batch, optimizer)`) and the keeper of the schedule.
+"""The stage-by-stage trainer behind `segprop` and `lw`: a TrainingMethod whose `step(batch, optimizer)`
+is one step of the current stage; the stage advances by itself.
 
 What a stage does to the model (SegProp Algorithm 1):
   * committed units (everything before the stage's first unit, the embedding included) get
-    requires_grad=False, are put in eval() and *pinned* there: a later model.train() (Learner.evaluate
-    calls it) leaves them in eval, so their BatchNorm statistics never move again; their forward runs
-    under no_grad, its output detached (or comes from SnapCheck);
+    requires_grad=False and are pinned in eval() (eval_pins.py), so their BatchNorm statistics never
+    move again; their forward runs under no_grad, its output detached (or comes from SnapCheck);
   * the active units, the stage's adapter (segprop) or auxiliary classifier (lw), the global-head units
     and the head train; units after the stage are off the loss path and frozen;
   * optimizer state of every parameter that stops training is freed at the stage change.
@@ -15,124 +14,34 @@ the plain model, whose forward is the assembled blocks.
 
 Only parameters that were trainable when the method was built ever train (LoRA: the adapters inside
 the active segment and the head; the base weights stay frozen).
+
+The schedule, the stage parts, the frozen prefix, the eval() pins and evaluation each have a module of
+their own (edgetrain/methods/segprop/__init__.py lists them); this class ties them into one method.
 """
 from __future__ import annotations
 
-import math
-from functools import partial
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from edgetrain.data.batch import Batch
 from edgetrain.logs import get_logger
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import NonFiniteError, require_finite
-from edgetrain.methods.segprop.adapters import AuxiliaryClassifier, make_adapter, model_norm_groups
+from edgetrain.methods.segprop.eval_pins import unpin_eval
+from edgetrain.methods.segprop.evaluation import path_forward
 from edgetrain.methods.segprop.plan import Stage, StagePlan, plan_lw, plan_segprop
-from edgetrain.methods.segprop.snapcheck import SnapCheck, input_fingerprint
+from edgetrain.methods.segprop.prefix_cache import FrozenPrefix, make_snapcheck
+from edgetrain.methods.segprop.schedule import LR_SCHEDULES, Plateau, StageClock, stage_budgets
+from edgetrain.methods.segprop.snapcheck import SnapCheck
+from edgetrain.methods.segprop.stage_parts import StageParts, build_bridges, module_params, unique
 from edgetrain.methods.segprop.views import UnitView, probe_activation_bytes, probe_specs, unit_view
 from edgetrain.registry import EdgetrainError
 
 log = get_logger(__name__)
 ADAPTERS_ATTRIBUTE = "stage_adapters"
-LR_SCHEDULES = ("constant", "cosine")
 BALANCES = ("blocks", "memory")
-
-
-# -- keeping committed modules in eval() -------------------------------------------------------------
-
-def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
-    return nn.Module.train(module, False)
-
-
-def pin_eval(module: nn.Module) -> None:
-    """Put `module` and its submodules in eval() so that no later train() call takes them out.
-    Each submodule gets an instance-level `train` (the class is untouched); unpin_eval removes it."""
-    for sub in module.modules():
-        sub.train = partial(_stay_in_eval, sub)
-    nn.Module.train(module, False)
-
-
-def unpin_eval(module: nn.Module) -> None:
-    for sub in module.modules():
-        sub.__dict__.pop("train", None)
-
-
-def is_pinned(module: nn.Module) -> bool:
-    return "train" in module.__dict__
-
-
-# -- learning-rate multipliers -------------------------------------------------------------------------
-
-def cosine_multiplier(step: int, total: int, warmup: int, floor: float) -> float:
-    """SegProp's Eq. F.1 as a multiplier of the peak rate: linear warm-up over `warmup` steps, then
-    cosine from 1 down to `floor` at step `total` (and `floor` after it)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if total <= warmup:  # no room for a cosine: here step >= warmup >= total, past the end
-        return floor
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-# -- the trainable path of one stage ---------------------------------------------------------------
-
-class ActivePath(nn.Module):
-    """What runs with autograd in one stage: [embed] -> active units -> bridge -> head units -> head.
-    Its own module so that a distributed wrapper (DistributedDataParallel) can take exactly it."""
-
-    def __init__(self, embed: nn.Module | None, units: Sequence[nn.Module], bridge: nn.Module | None,
-                 tail: Sequence[nn.Module], head: nn.Module | None, checkpointed: bool) -> None:
-        super().__init__()
-        self.embed = embed
-        self.units = nn.ModuleList(units)
-        self.bridge = bridge
-        self.tail = nn.ModuleList(tail)
-        self.head = head
-        self.checkpointed = checkpointed
-
-    def _unit(self, unit: nn.Module, h: Any) -> Any:
-        if self.checkpointed:
-            # Non-reentrant: also right when the unit's input needs no grad (a detached frozen prefix).
-            return activation_checkpoint(unit, h, use_reentrant=False)
-        return unit(h)
-
-    def forward(self, h: Any) -> Any:
-        if self.embed is not None:
-            h = self.embed(h)
-        for unit in self.units:
-            h = self._unit(unit, h)
-        if self.bridge is not None:
-            h = self.bridge(h)
-        for unit in self.tail:
-            h = self._unit(unit, h)
-        return self.head(h) if self.head is not None else h
-
-
-def _module_params(modules: Iterable[nn.Module | None]) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for module in modules:
-        if module is not None:
-            for param in module.parameters():
-                seen.setdefault(id(param), param)
-    return list(seen.values())
-
-
-def _unique(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    return list({id(p): p for p in params}.values())
-
-
-def _parse_optional_bytes(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return 0
-    from edgetrain.memory_sizes import parse_bytes
-
-    return parse_bytes(value)
 
 
 class StagedTrainer:
@@ -206,56 +115,50 @@ class StagedTrainer:
         else:
             raise EdgetrainError(f"unknown staged method {name!r}")
         self.stages = self.plan.stages
-        self.budgets = self._stage_budgets(steps_per_stage)
+        budgets = stage_budgets(name, steps_per_stage, len(self.stages))
         if lr_schedule not in LR_SCHEDULES:
             raise EdgetrainError(f"{name}: unknown lr_schedule {lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
-        if lr_schedule == "cosine" and any(b is None for b in self.budgets):
+        if lr_schedule == "cosine" and any(b is None for b in budgets):
             raise EdgetrainError(f"{name}: lr_schedule='cosine' needs steps_per_stage (the length of each cosine)")
         if plateau_window < 0 or plateau_patience < 0 or (plateau_window > 0) != (plateau_patience > 0):
             raise EdgetrainError(f"{name}: plateau_window and plateau_patience go together (both > 0)")
-        self.lr_schedule, self.warmup_steps = lr_schedule, int(warmup_steps)
-        self.min_lr_ratio, self.head_lr_scale = float(min_lr_ratio), float(head_lr_scale)
-        self.plateau = (int(plateau_window), int(plateau_patience), float(plateau_min_delta))
-        self.checkpointed = bool(checkpoint)
+        self.clock = StageClock(budgets, Plateau(int(plateau_window), int(plateau_patience), float(plateau_min_delta)),
+                                lr_schedule, int(warmup_steps), float(min_lr_ratio), float(head_lr_scale))
 
         self.trainable_at_start = {id(p) for p in model.parameters() if p.requires_grad}
         if not self.trainable_at_start:
             raise EdgetrainError(f"{name}: {type(model).__name__} has no trainable parameters")
         self.specs, output_spec = probe_specs(self.view, example_input)
         self.num_outputs = int(output_spec[-1])
-        self.adapters = self._build_adapters(adapter, adapters or {}, device, dtype, aux_head)
+        self.adapters = build_bridges(name, self.plan, self.view, self.specs, self.num_outputs, model, adapter,
+                                      adapters or {}, device, dtype, aux_head)
+        self.parts = StageParts(self.view, self.adapters, bool(checkpoint))
         # Attached so that the learner's parameter list, optimizer and checkpoints include them.
         setattr(model, ADAPTERS_ATTRIBUTE, self.adapters)
+        self._names = {id(p): n for n, p in model.named_parameters()}
 
-        self.snapcheck: SnapCheck | None = None
-        self.snapcheck_period = None if snapcheck_period is None else int(snapcheck_period)
+        cache: SnapCheck | None = None
         if snapcheck:
-            shared = self._prefix_shares_head_parameters()
+            shared = ", ".join(self._name_of(p) for p in self.parts.prefix_shared_with_head(
+                self.plan, self.trainable_at_start))
             if shared:
                 log.warning("%s: SnapCheck is off: the frozen prefix shares %s with the trainable head (tied "
                             "embeddings), so its outputs change every step", name, shared)
             else:
-                budget = _parse_optional_bytes(snapcheck_budget)
-                self.snapcheck = SnapCheck(2**62 if budget is None else budget, spill_dir=snapcheck_spill,
-                                           disk_budget_bytes=_parse_optional_bytes(snapcheck_disk_budget))
+                cache = make_snapcheck(snapcheck_budget, snapcheck_spill, snapcheck_disk_budget)
+        self.prefix = FrozenPrefix(self.view, cache, None if snapcheck_period is None else int(snapcheck_period))
 
         # Hooks for a distributed run (edgetrain.distributed.ddp_segprop): wrap the active path for
         # gradient sync, and reduce a step's loss across ranks (plateau decisions must agree).
         self.wrap_active: Callable[[nn.Module], nn.Module] | None = None
         self.reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
 
-        self.stage_index = 0
-        self.stage_step = 0
-        self.total_step = 0
-        self.finished = False
         self.closed = False
-        self._plateau_state = [None, 0, 0.0, 0]  # best window mean, bad windows, window sum, window count
         self._applied = False
         self._active: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._names = {id(p): n for n, p in model.named_parameters()}
-
-    # -- construction helpers -------------------------------------------------------------------
+        self._body_params: list[nn.Parameter] = []
+        self._head_params: list[nn.Parameter] = []
 
     def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
         for param in self.model.parameters():
@@ -263,165 +166,109 @@ class StagedTrainer:
                 return param.device, param.dtype
         return torch.device("cpu"), torch.float32
 
-    def _stage_budgets(self, steps: int | Sequence[int] | None) -> list[int | None]:
-        count = len(self.stages)
-        if steps is None:
-            return [None] * count
-        if isinstance(steps, (int, float)) and not isinstance(steps, bool):
-            budgets = [int(steps)] * count
-        else:
-            budgets = [int(s) for s in steps]
-            if len(budgets) != count:
-                raise EdgetrainError(f"{self.name}: steps_per_stage has {len(budgets)} entries for {count} stages")
-        if any(b < 1 for b in budgets):
-            raise EdgetrainError(f"{self.name}: steps_per_stage must be >= 1, got {budgets}")
-        return budgets
-
-    def _build_adapters(self, kind: str, given: dict[int, nn.Module], device: torch.device,
-                        dtype: torch.dtype, aux_head: str) -> nn.ModuleDict:
-        adapters = nn.ModuleDict()
-        head_input = self.specs[self.plan.head_start] if self.name == "segprop" else self.specs[-1]
-        for stage in self.stages:
-            if not stage.bridge:
-                continue
-            key = int(stage.index)
-            if key in given or str(key) in given:
-                module = given.get(key, given.get(str(key)))
-            else:
-                module = make_adapter(self.specs[stage.end], head_input, kind, model_norm_groups(self.model))
-            if self.name == "lw":
-                module = AuxiliaryClassifier(module, self.view.head, head_input, self.num_outputs, aux_head)
-            if module is not None:
-                adapters[str(key)] = module.to(device=device, dtype=dtype)
-        return adapters
-
-    def _prefix_shares_head_parameters(self) -> str:
-        head_params = {id(p) for p in _module_params([*self.view.units[self.plan.head_start:], self.view.head])}
-        body = _module_params([self.view.embed, *self.view.units[:self.plan.head_start]])
-        shared = [self._name_of(p) for p in body if id(p) in head_params and id(p) in self.trainable_at_start]
-        return ", ".join(shared)
-
     def _name_of(self, param: nn.Parameter) -> str:
-        return getattr(self, "_names", {}).get(id(param)) or next(
-            (n for n, p in self.model.named_parameters() if p is param), "?")
+        return self._names.get(id(param)) or next((n for n, p in self.model.named_parameters() if p is param), "?")
 
-    # -- the current stage ----------------------------------------------------------------------
+    # -- where the schedule stands (schedule.py) ----------------------------------------------------
 
     @property
     def stage(self) -> Stage:
-        return self.stages[self.stage_index]
+        return self.stages[self.clock.stage_index]
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
     @property
+    def stage_index(self) -> int:
+        return self.clock.stage_index
+
+    @property
+    def stage_step(self) -> int:
+        return self.clock.stage_step
+
+    @property
+    def total_step(self) -> int:
+        return self.clock.total_step
+
+    @property
+    def finished(self) -> bool:
+        return self.clock.finished
+
+    @property
+    def budgets(self) -> list[int | None]:
+        return self.clock.budgets
+
+    @property
     def total_budget(self) -> int | None:
-        return None if any(b is None for b in self.budgets) else sum(self.budgets)  # type: ignore[arg-type]
+        return self.clock.total_budget
+
+    @property
+    def snapcheck(self) -> SnapCheck | None:
+        return self.prefix.snapcheck
+
+    def lr_multipliers(self) -> tuple[float, float]:
+        """(segment, global head) multipliers of the optimizer's lr at the current step."""
+        return self.clock.lr_multipliers()
+
+    # -- what a stage trains (stage_parts.py) --------------------------------------------------------
 
     def bridge(self, stage: Stage) -> nn.Module | None:
-        return self.adapters[str(stage.index)] if str(stage.index) in self.adapters else None
+        return self.parts.bridge(stage)
 
     def _body_modules(self, stage: Stage) -> list[nn.Module]:
-        """Modules trained on the segment's own schedule: [embed], units, bridge."""
-        modules: list[nn.Module] = [self.view.embed] if stage.trains_embed else []
-        modules += self.view.units[stage.start:stage.end]
-        bridge = self.bridge(stage)
-        return modules + ([bridge] if bridge is not None else [])
+        return self.parts.body(stage)
 
     def _head_modules(self, stage: Stage) -> list[nn.Module]:
-        """Modules trained on the global head's schedule: head units and the task head."""
-        modules = list(self.view.units[stage.tail_start:])
-        return modules + ([self.view.head] if stage.trains_head else [])
+        return self.parts.head(stage)
 
-    def _committed_modules(self, stage: Stage) -> list[nn.Module]:
-        if stage.frozen_depth is None:
-            return []
-        return [self.view.embed, *self.view.units[:stage.frozen_depth]]
-
-    def _build_path(self, stage: Stage) -> nn.Module:
-        path = ActivePath(self.view.embed if stage.trains_embed else None, self.view.units[stage.start:stage.end],
-                          self.bridge(stage), self.view.units[stage.tail_start:],
-                          self.view.head if stage.trains_head else None, self.checkpointed)
-        return path
+    def _trainable_ids(self) -> set[int]:
+        return self.trainable_at_start | {id(p) for p in self.adapters.parameters()}
 
     def _apply_stage(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Set requires_grad, train/eval and the optimizer state for the current stage (idempotent)."""
         stage = self.stage
-        body_params = _module_params(self._body_modules(stage))
-        head_params = _module_params(self._head_modules(stage))
+        body_params = module_params(self.parts.body(stage))
+        head_params = module_params(self.parts.head(stage))
         active = {id(p) for p in body_params + head_params}
-        for param in self._all_params():
-            param.requires_grad_(id(param) in active and id(param) in self._trainable_ids())
+        trainable = self._trainable_ids()
+        for param in module_params([self.model]):
+            param.requires_grad_(id(param) in active and id(param) in trainable)
         if self.name == "lw":
             # No persistent head: a stage's modules (the head-only stage's head too) share its schedule.
             body_params, head_params = body_params + head_params, []
-        self._body_params = [p for p in _unique(body_params) if p.requires_grad]
+        self._body_params = [p for p in unique(body_params) if p.requires_grad]
         body_ids = {id(p) for p in self._body_params}
         # A parameter in both (an embedding tied to the LM head in stage 0) follows the segment.
         self._head_params = [p for p in head_params if p.requires_grad and id(p) not in body_ids]
         if not self._body_params and not self._head_params:
             raise EdgetrainError(f"{self.name}: stage {stage.index} ({stage.name}) has no trainable parameters")
-        for module in [self.view.embed, *self.view.units, self.view.head, *self.adapters.values()]:
+        for module in self.parts.all_modules():
             unpin_eval(module)
-        for module in self._committed_modules(stage):
-            pin_eval(module)
-        for module in self._body_modules(stage) + self._head_modules(stage):
+        self.adapters.pin(self.parts.committed(stage))
+        for module in self.parts.body(stage) + self.parts.head(stage):
             module.train(True)
+        self.adapters.keep_pinned_in_eval()  # committed wins over an active module that contains it
         if optimizer is not None:
             # Free the state (momenta) of every parameter that no longer trains.
             for param in list(optimizer.state):
                 if not param.requires_grad:
                     del optimizer.state[param]
         self._active = None  # a wrapper holding hooks on the previous stage's parameters goes first
-        path = self._build_path(stage)
+        path = self.parts.path(stage)
         self._active = self.wrap_active(path) if self.wrap_active is not None else path
-        if self.snapcheck is not None:
-            depth = stage.frozen_depth
-            previous = self.stages[stage.index - 1].frozen_depth if stage.index > 0 else None
-            self.snapcheck.retain({d for d in (depth, previous) if d is not None})
+        depth = stage.frozen_depth
+        previous = self.stages[stage.index - 1].frozen_depth if stage.index > 0 else None
+        self.prefix.retain({d for d in (depth, previous) if d is not None})
         self._applied = True
 
-    def _trainable_ids(self) -> set[int]:
-        return self.trainable_at_start | {id(p) for p in self.adapters.parameters()}
+    # -- one step -----------------------------------------------------------------------------------
 
-    def _all_params(self) -> list[nn.Parameter]:
-        return _module_params([self.model])
-
-    # -- the frozen prefix ----------------------------------------------------------------------
-
-    def _stamp(self, depth: int) -> int:
-        """Sum of the version counters of the prefix [embed, units[:depth]]: changes with any in-place
-        write to its parameters or buffers (an optimizer step, a checkpoint load)."""
-        modules = [self.view.embed, *self.view.units[:depth]]
-        return sum(t._version for m in modules for t in (*m.parameters(), *m.buffers()))
-
-    def _batch_id(self, batch: Batch) -> Hashable:
-        return batch.index % self.snapcheck_period if self.snapcheck_period else batch.index
-
-    @torch.no_grad()
     def frozen_state(self, batch: Batch) -> Any:
         """The committed prefix's output for `batch` (detached), from SnapCheck when it holds it."""
         depth = self.stage.frozen_depth
         assert depth is not None
-        if self.snapcheck is None:
-            return self.view.run(self.view.embed(batch.inputs), 0, depth)
-        batch_id, fingerprint = self._batch_id(batch), input_fingerprint(batch.inputs)
-        state = self.snapcheck.get(depth, batch_id, fingerprint, self._stamp(depth))
-        if state is not None:
-            return state
-        nearest = self.snapcheck.nearest(depth, batch_id, fingerprint, self._stamp)
-        if nearest is not None:
-            # Build the new depth from the previous one: only the newly committed units run.
-            shallower, state = nearest
-            state = self.view.run(state, shallower, depth)
-            self.snapcheck.drop(shallower, batch_id)
-        else:
-            state = self.view.run(self.view.embed(batch.inputs), 0, depth)
-        self.snapcheck.put(depth, batch_id, state, fingerprint, self._stamp(depth))
-        return state
-
-    # -- one step -------------------------------------------------------------------------------
+        return self.prefix.state(batch, depth)
 
     def _require_open(self, optimizer: torch.optim.Optimizer | None) -> None:
         if self.closed:
@@ -460,18 +307,9 @@ class StagedTrainer:
         loss.backward()
         self._update(optimizer)
         reduced = self.reduce_loss(loss.detach())
-        self._after_step(float(reduced))
+        if self.clock.tick(float(reduced)):
+            self.advance_stage()
         return reduced
-
-    def lr_multipliers(self) -> tuple[float, float]:
-        """(segment, global head) multipliers of the optimizer's lr at the current step."""
-        if self.lr_schedule == "constant":
-            return 1.0, self.head_lr_scale
-        budget = self.budgets[self.stage_index]
-        assert budget is not None and self.total_budget is not None
-        segment = cosine_multiplier(self.stage_step, budget, self.warmup_steps, self.min_lr_ratio)
-        head = cosine_multiplier(self.total_step, self.total_budget, self.warmup_steps, self.min_lr_ratio)
-        return segment, head * self.head_lr_scale
 
     def _update(self, optimizer: torch.optim.Optimizer) -> None:
         for param in self._body_params + self._head_params:
@@ -480,89 +318,31 @@ class StagedTrainer:
                 raise NonFiniteError(f"non-finite gradient in {self._name_of(param)}")
         segment, head = self.lr_multipliers()
         if segment == head:
-            self._scaled_step(optimizer, segment)
+            _scaled_step(optimizer, segment)
         else:
             # Two sub-steps with different rates; the optimizer skips parameters without a gradient.
             head_grads = [p.grad for p in self._head_params]
             for param in self._head_params:
                 param.grad = None
-            self._scaled_step(optimizer, segment)
+            _scaled_step(optimizer, segment)
             for param in self._body_params:
                 param.grad = None
             for param, grad in zip(self._head_params, head_grads):
                 param.grad = grad
-            self._scaled_step(optimizer, head)
+            _scaled_step(optimizer, head)
         optimizer.zero_grad(set_to_none=True)
-
-    @staticmethod
-    def _scaled_step(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
-        if multiplier == 1.0:
-            optimizer.step()
-            return
-        rates = [group["lr"] for group in optimizer.param_groups]
-        try:
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * multiplier
-            optimizer.step()
-        finally:
-            for group, rate in zip(optimizer.param_groups, rates):
-                group["lr"] = rate
-
-    def _after_step(self, loss: float) -> None:
-        self.stage_step += 1
-        self.total_step += 1
-        if self._plateau_reached(loss) or self.stage_step == self.budgets[self.stage_index]:
-            self.advance_stage()
-
-    def _plateau_reached(self, loss: float) -> bool:
-        window, patience, min_delta = self.plateau
-        if window == 0:
-            return False
-        state = self._plateau_state
-        state[2] += loss
-        state[3] += 1
-        if state[3] < window:
-            return False
-        mean = state[2] / state[3]
-        state[2], state[3] = 0.0, 0
-        if state[0] is None or mean < state[0] * (1 - min_delta):
-            state[0], state[1] = mean, 0
-            return False
-        state[1] += 1
-        return state[1] >= patience
 
     def advance_stage(self) -> None:
         """Commit the current stage and start the next (the last one just reports `finished`)."""
-        if self.stage_index + 1 >= self.num_stages:
-            self.finished = True
-            return
-        self.stage_index += 1
-        self.stage_step = 0
-        self._plateau_state = [None, 0, 0.0, 0]
-        self._apply_stage(self._optimizer)
+        if self.clock.next_stage():
+            self._apply_stage(self._optimizer)
 
-    # -- evaluation -----------------------------------------------------------------------------
+    # -- evaluation, finishing, checkpoint state ------------------------------------------------------
 
-    @torch.no_grad()
     def path_forward(self, inputs: torch.Tensor, stage: int | None = None) -> Any:
         """The outputs of a stage's training path (adapter or auxiliary classifier included), without
         autograd or SnapCheck; the paper's "Test (aux)"."""
-        target = self.stages[self.stage_index if stage is None else stage]
-        path = self._build_path(target)
-        modules = [self.view.embed, *self.view.units, self.view.head, *self.adapters.values()]
-        modes = [(m, m.training) for module in modules for m in module.modules()]
-        try:
-            for module in modules:
-                nn.Module.train(module, False)
-            h = inputs
-            if target.frozen_depth is not None:
-                h = self.view.run(self.view.embed(inputs), 0, target.frozen_depth)
-            return path(h)
-        finally:
-            for m, mode in modes:
-                m.training = mode
-
-    # -- finishing ------------------------------------------------------------------------------
+        return path_forward(self.parts, self.stages[self.stage_index if stage is None else stage], inputs)
 
     def finish(self) -> nn.Module:
         """Discard the adapters, unpin every module, restore requires_grad as it was before training;
@@ -576,6 +356,7 @@ class StagedTrainer:
                 del self._optimizer.state[param]
             for group in self._optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in adapter_ids]
+        self.adapters.release()
         for module in [self.view.embed, *self.view.units, self.view.head]:
             unpin_eval(module)
         if hasattr(self.model, ADAPTERS_ATTRIBUTE):
@@ -583,22 +364,16 @@ class StagedTrainer:
         for param in self.model.parameters():
             param.requires_grad_(id(param) in self.trainable_at_start)
         self._active = None
-        if self.snapcheck is not None:
-            self.snapcheck.close()
+        self.prefix.close()
         self.model.train()
         self.closed = True
         return self.model
 
     def close(self) -> None:
-        if self.snapcheck is not None:
-            self.snapcheck.close()
-
-    # -- checkpoint state -------------------------------------------------------------------------
+        self.prefix.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.name, "split": list(self.plan.split), "stage": self.stage_index,
-                "stage_step": self.stage_step, "total_step": self.total_step, "finished": self.finished,
-                "plateau": list(self._plateau_state)}
+        return {"kind": self.name, "split": list(self.plan.split), **self.clock.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         same_plan = list(state.get("split", self.plan.split)) == list(self.plan.split)
@@ -606,12 +381,21 @@ class StagedTrainer:
             raise EdgetrainError(f"{self.name}: checkpoint was written for a different plan "
                                  f"({state.get('kind')}, split {state.get('split')}); this run has "
                                  f"{self.name}, split {list(self.plan.split)}")
-        self.stage_index = int(state["stage"])
-        self.stage_step = int(state["stage_step"])
-        self.total_step = int(state["total_step"])
-        self.finished = bool(state.get("finished", False))
-        plateau = list(state.get("plateau", [None, 0, 0.0, 0]))
-        self._plateau_state = [plateau[0], int(plateau[1]), float(plateau[2]), int(plateau[3])]
-        if self.snapcheck is not None:
-            self.snapcheck.drop()
+        self.clock.load_state_dict(state)
+        self.prefix.drop()
         self._applied = False  # re-applied (requires_grad, eval pins, optimizer state) on the next step
+
+
+def _scaled_step(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
+    """optimizer.step() at `multiplier` times each group's lr; the rates are put back afterwards."""
+    if multiplier == 1.0:
+        optimizer.step()
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * multiplier
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgetrain.distributed.subnet.masks import SubnetPlan
+from edgetrain.methods.subnet_dp.plan import SubnetPlan
 from edgetrain.models.resnet import BasicBlock, ClassifierHead, ResNet, Stem, make_norm
 from edgetrain.models.resnet_subnet import SubnetResNetConfig, initial_parameter
 

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgetrain.distributed.subnet.masks import SubnetPlan, parameter_role
-from edgetrain.distributed.subnet.subnetwork import masked_forward
 from edgetrain.losses import task_loss
+from edgetrain.methods.subnet_dp.layout import parameter_role
+from edgetrain.methods.subnet_dp.plan import SubnetPlan
+from edgetrain.methods.subnet_dp.subnetwork import masked_forward
 
 DEFAULT_LAYER = "blocks.1.conv1.weight"  # the first conv of ResNet-18's second BasicBlock
 

@@ -1,0 +1,39 @@
+"""On-device personalisation an app embeds: a durable example store, a training policy, gated promotion of
+adapter versions, forget and rollback (edgetrain.personalise.personaliser has the overview; docs/personalise.md
+the quick start).
+
+The store, the examples, the policy and the sensors import without torch, so a process that only adds
+examples (`Store(path).add(...)`) starts quickly; the Personaliser (and what trains) loads on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from edgetrain.personalise.errors import (BadExampleError, DamagedStoreError, ModelMismatchError,
+                                          NothingToRollBackError, PersonaliseError, StoreBusyError, StoreError,
+                                          StoreVersionError, WrongKindError)
+from edgetrain.personalise.events import EventLog, read_events
+from edgetrain.personalise.examples import Example, is_held_out, parse_example
+from edgetrain.personalise.policy import Decision, Policy
+from edgetrain.personalise.sensors import FixedSensors, Readings, SystemSensors
+from edgetrain.personalise.store import Store
+
+_LAZY = {"Personaliser": "edgetrain.personalise.personaliser", "RunResult": "edgetrain.personalise.personaliser"}
+
+if TYPE_CHECKING:
+    from edgetrain.personalise.personaliser import Personaliser, RunResult
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'edgetrain.personalise' has no attribute {name!r}")
+
+
+__all__ = ["BadExampleError", "DamagedStoreError", "Decision", "EventLog", "Example", "FixedSensors",
+           "ModelMismatchError", "NothingToRollBackError", "PersonaliseError", "Personaliser", "Policy", "Readings",
+           "RunResult", "Store", "StoreBusyError", "StoreError", "StoreVersionError", "SystemSensors",
+           "WrongKindError", "is_held_out", "parse_example", "read_events"]

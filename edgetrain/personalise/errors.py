@@ -1,0 +1,42 @@
+"""The personaliser's named errors: each says what is wrong and leaves the store as it was."""
+from __future__ import annotations
+
+from edgetrain.registry import EdgetrainError
+
+
+class PersonaliseError(EdgetrainError):
+    """Base of the personaliser's errors."""
+
+
+class BadExampleError(PersonaliseError, ValueError):
+    """An example that is not text, a chat, or an (input, label) pair edgetrain can train on."""
+
+
+class WrongKindError(BadExampleError):
+    """An example of a kind the store's model does not learn from (text for a classifier, a labelled
+    input for a decoder, an input of the wrong size or a label outside the classes)."""
+
+
+class StoreError(PersonaliseError, OSError):
+    """A store that cannot be opened or written (not a directory, no permission, locked too long)."""
+
+
+class DamagedStoreError(StoreError):
+    """The store's database file is damaged (not SQLite, or malformed). The file is left untouched."""
+
+
+class StoreVersionError(StoreError):
+    """The store was written by a newer edgetrain (a newer schema); it is left untouched, so that edgetrain
+    keeps working with it."""
+
+
+class StoreBusyError(StoreError):
+    """Another process (or another Personaliser in this one) is training on the store."""
+
+
+class ModelMismatchError(PersonaliseError):
+    """The store was created for another base model (or method, or held-out split) than the one asked for."""
+
+
+class NothingToRollBackError(PersonaliseError):
+    """rollback() with no promoted version: the base model is already what is served."""

@@ -1,0 +1,69 @@
+"""The memory a step adds, estimated from a decoder's shape (edgetrain/step_estimates.py), and the budget
+guard's ranking of methods by it (edgetrain/budget_report.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import edgetrain
+from edgetrain.budget_report import StepFigure, lower_memory_methods, rank_methods
+from edgetrain.data.batch import Batch
+from edgetrain.models.decoder_presets import qwen25_config
+from edgetrain.models.llama import LlamaModel
+from edgetrain.probes import TensorAccountant
+from edgetrain.step_estimates import estimate_step_bytes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+METHODS = ("bp", "mebp", "mesp", "mezo")
+
+
+def _qwen_on_meta() -> LlamaModel:
+    """Qwen2.5-0.5B's shape with LoRA r8, on the meta device: the estimates read shapes only."""
+    with torch.device("meta"):
+        model = LlamaModel(qwen25_config("qwen2.5-0.5b"))
+        edgetrain.add_lora(model, rank=8)
+    return model
+
+
+def test_estimates_rank_mesp_below_mebp_below_bp_on_decoder_presets(tiny_lora, text_batches):
+    tokens = torch.zeros(1, 512, dtype=torch.long)
+    for model, batch in ((tiny_lora(rank=8), text_batches(1, seq_len=256)[0]), (_qwen_on_meta(), Batch(tokens, tokens))):
+        estimates = {method: estimate_step_bytes(model, batch, method) for method in METHODS}
+        assert estimates["mesp"] < estimates["mebp"] < estimates["bp"], estimates
+    # On Qwen2.5-0.5B's 152k vocabulary the logits dominate everything but mesp (which never holds them).
+    assert estimates["mesp"] * 5 < estimates["mezo"] < estimates["mebp"]
+
+
+def test_estimates_are_within_15_percent_of_tensor_accounting_on_the_tiny_preset(tiny_lora, text_batches):
+    batch = text_batches(1, seq_len=256)[0]
+    for method in METHODS:
+        model = tiny_lora(rank=8)
+        learner = edgetrain.Learner(model, method=method, probe=TensorAccountant(model))
+        measured = learner.step(batch).peak_bytes
+        estimate = estimate_step_bytes(model, batch, method)
+        assert abs(estimate - measured) <= 0.15 * measured, (method, estimate, measured)
+
+
+def test_no_estimate_for_other_methods_or_models(tiny_lora, text_batches):
+    batch = text_batches(1)[0]
+    assert estimate_step_bytes(tiny_lora(), batch, "fgd") is None
+    classifier = edgetrain.load_model("mlp-digits")
+    assert estimate_step_bytes(classifier, Batch(torch.randn(2, 64), torch.tensor([0, 1])), "bp") is None
+
+
+def test_ranking_puts_a_slices_lower_bound_where_its_estimate_says():
+    # bp was refused on a slice (over 5 MiB measured), so its whole step is at least that, and estimated at 40.
+    tried = [StepFigure("bp", 5 * 2**20, measured=True, slice_tokens=64, batch_tokens=512)]
+    estimates = {"bp": 40 * 2**20, "mebp": 12 * 2**20, "mesp": 3 * 2**20, "mezo": 8 * 2**20}
+    ranked = rank_methods(tried, estimates)
+    assert [figure.method for figure in ranked] == ["mesp", "mezo", "mebp", "bp"]
+    assert ranked[-1].ranked_entry() == "bp over 5.0 MiB (measured on a slice, ~40.0 MiB estimated)"
+    assert lower_memory_methods(tried, ranked, ("mebp", "mesp", "mezo"), estimates) == ["mesp", "mezo", "mebp"]
+    # A measured method ranks by its measurement; only methods ranked below every tried one are suggested.
+    tried = [StepFigure("mebp", 9 * 2**20, measured=True)]
+    ranked = rank_methods(tried, {**estimates, "mebp": 12 * 2**20})
+    assert [figure.method for figure in ranked] == ["mesp", "mezo", "mebp", "bp"]
+    assert lower_memory_methods(tried, ranked, ("mebp", "mesp", "mezo"), estimates) == ["mesp", "mezo"]
+    # Without estimates (a classifier), the usual order of lower-memory methods.
+    assert lower_memory_methods(tried, rank_methods(tried, {}), ("mebp", "mesp", "mezo"), estimates) == ["mesp", "mezo"]
