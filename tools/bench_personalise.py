@@ -32,7 +32,7 @@ would put minutes between them, and on a shared machine a load change in those m
 s/step by 4x; step by step, a slower machine slows every arm alike. All processes are alive at once
 (about 1 GiB each for SmolLM2-135M); only one computes at a time.
 
-  .venv/bin/python tools/bench_personalise.py                 # 40 steps, every arm (tens of minutes)
+  .venv/bin/python tools/bench_personalise.py                 # 40 steps, every arm (65 min on a shared 2-core machine)
   .venv/bin/python tools/bench_personalise.py --quick         # 5 steps, a smaller held-out set: a smoke run
   .venv/bin/python tools/bench_personalise.py --arms mesp,peft --steps 20
 """
@@ -47,6 +47,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -523,7 +524,7 @@ def write_curve_png(path: Path, curves: Mapping[str, Sequence[tuple[int, float]]
                   markersize=4, label=arm)
     axes.set_xlabel("training step")
     axes.set_ylabel("held-out perplexity")
-    axes.set_title(title, fontsize=9)
+    axes.set_title("\n".join(textwrap.wrap(title, 72)), fontsize=9)  # a long title would be cut at the edge
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
