@@ -30,3 +30,26 @@ def random_lora_b(model, seed: int, scale: float) -> None:
         for name, param in model.named_parameters():
             if name.endswith("lora_B"):
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
+def process_memory_state() -> dict:
+    """What else in this process could move an RSS reading (for failure messages of memory tests): live
+    threads, mappings, the main heap's size and how much of it plugged_free_heap would occupy."""
+    import os
+    import threading
+
+    from edgetrain.probes.glibc import main_heap_range, plugged_free_heap
+
+    state: dict = {"python_threads": sorted(t.name for t in threading.enumerate())}
+    try:
+        state["os_threads"] = len(os.listdir("/proc/self/task"))
+        with open("/proc/self/maps") as maps:
+            state["mappings"] = sum(1 for _ in maps)
+    except OSError:
+        pass
+    heap = main_heap_range()
+    if heap is not None:
+        state["heap_mib"] = round((heap[1] - heap[0]) / 2**20, 1)
+        with plugged_free_heap() as plugged:
+            state["pluggable_mib"] = round(plugged / 2**20, 1)
+    return state

@@ -64,6 +64,7 @@ def gradient_fidelity(model, method: str, batch, options: dict[str, Any]) -> dic
 
     from edgetrain.methods import METHODS
 
+    batch = batch.to(next(model.parameters()).device)  # the model may sit on a GPU; build_batch is on the CPU
     reference_model = copy.deepcopy(model).double()
     reference_loss, reference = METHODS.get("bp")(reference_model).gradients(batch)
     del reference_model  # freed before the method runs: the fidelity pass is not what is measured

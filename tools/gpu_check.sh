@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (a lent GPU machine has minutes, not hours): the CUDA tests,
+# asyncfgd's CUDA-streams benchmark and `edgetrain profile` on the torch-cuda backend.
+# Runs from the repository root with the machine's own python3 (torch with CUDA, pytest) and edgetrain
+# from the source tree; logs go to $OUT (or ./gpu-check) for the docs.
+set -uo pipefail
+out="${OUT:-gpu-check}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{ nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } \
+    2>&1 | tee "$out/device.log"
+timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rs \
+    tests/test_cuda.py tests/probes/test_probe_cuda.py tests/probes/test_probe_tensors.py \
+    tests/models/test_load_model_backends.py \
+    tests/methods/test_asyncfgd.py::test_cuda_streams_give_the_reference_schedulers_weights \
+    tests/promises/test_mutation_kills_asyncfgd.py::test_cuda_stream_workers_issue_each_modules_kernels_on_its_own_stream \
+    2>&1 | tee "$out/pytest.log"
+timeout 120 python3 tools/bench_fgd.py --only cuda --repeats 20 --json "$out/bench_fgd_cuda.json" \
+    2>&1 | tee "$out/bench_fgd_cuda.log"
+timeout 150 python3 -m edgetrain.cli profile --backend torch-cuda --model qwen2.5-0.5b --seq 256 --steps 3 \
+    --methods bp,mebp,mezo,mesp --json "$out/profile_cuda.jsonl" 2>&1 | tee "$out/profile_cuda.log"
