@@ -51,7 +51,7 @@ class ArrayStream(IndexedStream):
 
     def batch(self, index: int) -> Batch:
         epoch, within = divmod(index, self.batches_per_epoch)
-        rows = self._order(epoch)[within * self.batch_size:(within + 1) * self.batch_size]
+        rows = self._order.items(epoch, within * self.batch_size, (within + 1) * self.batch_size)
         return Batch(self.features[rows], self.labels[rows], index)
 
     def all_batches(self) -> list[Batch]:

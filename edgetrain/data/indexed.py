@@ -39,6 +39,13 @@ class EpochOrder:
             self._cached = (epoch, seeded_permutation(self.size, self.seed, epoch))
         return self._cached[1]
 
+    def items(self, epoch: int, start: int, stop: int) -> torch.Tensor:
+        """Items [start, stop) of epoch `epoch`'s order; unshuffled, without building the whole order (a
+        stream of millions of windows would otherwise make a range of them for every batch)."""
+        if not self.shuffle:
+            return torch.arange(start, min(stop, self.size))
+        return self(epoch)[start:stop]
+
 
 class IndexedStream(ABC):
     """Base of every stream: iterates `self.batch(i)` for i = start_index, start_index + 1, ...;

@@ -173,7 +173,7 @@ class JsonlStream(IndexedStream):
 
     def batch(self, index: int) -> Batch:
         epoch, within = divmod(index, self.batches_per_epoch)
-        windows = self._order(epoch)[within * self.batch_size:(within + 1) * self.batch_size].tolist()
+        windows = self._order.items(epoch, within * self.batch_size, (within + 1) * self.batch_size).tolist()
         inputs = torch.full((len(windows), self.seq_len), self.pad_id, dtype=torch.long)
         targets = torch.full((len(windows), self.seq_len), IGNORE_INDEX, dtype=torch.long)
         for row, window in enumerate(windows):

@@ -5,10 +5,11 @@ a built-in corpus that needs no download: Python's own pydoc topics ("pydoc", th
 fortune cookies ("fortunes", package `fortunes`). `text_stream` hands JSONL files (`{"text": ...}` and chat
 records) to edgetrain.data.jsonl_stream, which streams them from disk record by record.
 
-Memory: plain text is one running token sequence cut into windows that cross line and file boundaries, so
-TextStream tokenises it all when it is built and keeps the token ids -- one byte per byte of text with the
-byte tokenizer, four bytes a token otherwise -- not the text, which is dropped once tokenised. A corpus too
-big for that is better written as JSONL (one `{"text": ...}` record per document), which stays on disk.
+Memory: plain text is one running token sequence cut into windows that cross line and file boundaries.
+Files are tokenised piece by piece into a token file on disk, read back memory-mapped
+(edgetrain.data.token_file): neither the text nor the ids are held in memory, and a batch reads only its
+windows. A string or built-in corpus, already in memory, is tokenised whole and its ids kept (one byte per
+byte of text with the byte tokenizer, four bytes a token otherwise), the text dropped.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from edgetrain.data.fingerprint import tensors_digest
 from edgetrain.data.files import describe_files, find_text_files, is_jsonl
 from edgetrain.data.indexed import EpochOrder, IndexedStream
 from edgetrain.data.jsonl_stream import JsonlStream
+from edgetrain.data.token_file import TokenFile, token_dtype, tokenise_to_disk
 from edgetrain.data.tokenizer import ByteTokenizer, Tokenizer
 from edgetrain.registry import EdgetrainError
 
@@ -73,9 +75,7 @@ def encode_compact(tokenizer: Tokenizer, text: str) -> torch.Tensor:
     if type(tokenizer) is ByteTokenizer:
         return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if text else \
             torch.zeros(0, dtype=torch.uint8)
-    ids = tokenizer.encode(text)
-    dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32 if tokenizer.vocab_size < 2 ** 31 else torch.long
-    return torch.tensor(ids, dtype=dtype)
+    return torch.tensor(tokenizer.encode(text), dtype=token_dtype(tokenizer))
 
 
 class TextStream(IndexedStream):
@@ -107,7 +107,6 @@ class TextStream(IndexedStream):
             if any(is_jsonl(path) for path in files):  # its JSON syntax would be trained on as text
                 raise EdgetrainError(f"TextStream reads plain text, not JSONL ({describe_files(files)}): "
                                      "use text_stream(paths=...) or JsonlStream")
-            text = _join_files(files)
             self.source = describe_files(files)
         elif text is not None:
             self.source = "the given text"
@@ -117,8 +116,13 @@ class TextStream(IndexedStream):
                 raise EdgetrainError(f"unknown text corpus {corpus!r}; known corpora: {', '.join(TEXT_CORPORA)}")
             text, self.source = TEXT_CORPORA[corpus](), f"the built-in {corpus} corpus"
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-        self.tokens = encode_compact(self.tokenizer, text)
-        del text  # the tokens are all the stream keeps
+        self._token_file: TokenFile | None = None
+        if paths is not None:
+            self._token_file = tokenise_to_disk(files, self.tokenizer)
+            self.tokens = self._token_file.tokens
+        else:
+            self.tokens = encode_compact(self.tokenizer, text)
+            del text  # the tokens are all the stream keeps
         self.seq_len, self.batch_size = seq_len, batch_size
         self.vocab_size = vocab_size
         needed = batch_size * (seq_len + 1)
@@ -134,14 +138,18 @@ class TextStream(IndexedStream):
         self._order = EpochOrder(self.windows, shuffle=shuffle, seed=seed)
 
     def _fingerprint_fields(self) -> dict[str, Any]:
-        return {"tokens": len(self.tokens), "sha256": tensors_digest(self.tokens),
+        sha256 = self._token_file.sha256 if self._token_file is not None else tensors_digest(self.tokens)
+        return {"tokens": len(self.tokens), "sha256": sha256,
                 "tokenizer": f"{type(self.tokenizer).__name__}/{self.tokenizer.vocab_size}",
                 "seq_len": self.seq_len, "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed}
 
     def _check_ids_fit(self, vocab_size: int) -> None:
         if vocab_size <= 0:
             raise EdgetrainError(f"vocab_size must be positive, got {vocab_size}")
-        low, high = int(self.tokens.min()), int(self.tokens.max())
+        if self._token_file is not None:  # read while it was written: the corpus is not paged in again
+            low, high = self._token_file.low, self._token_file.high
+        else:
+            low, high = int(self.tokens.min()), int(self.tokens.max())
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
             raise EdgetrainError(f"{self.source}: the tokenizer (vocab {self.tokenizer.vocab_size}) produced token id "
@@ -149,7 +157,7 @@ class TextStream(IndexedStream):
 
     def batch(self, index: int) -> Batch:
         epoch, within = divmod(index, self.batches_per_epoch)
-        windows = self._order(epoch)[within * self.batch_size:(within + 1) * self.batch_size]
+        windows = self._order.items(epoch, within * self.batch_size, (within + 1) * self.batch_size)
         span = self.seq_len + 1
         rows = self.tokens[:self.windows * span].view(self.windows, span)[windows].long()
         return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), index)
