@@ -90,43 +90,70 @@ def main_heap_range(maps_path: str = "/proc/self/maps") -> tuple[int, int] | Non
 
 @contextmanager
 def plugged_free_heap(min_bytes: int = STABLE_MMAP_THRESHOLD_BYTES) -> Iterator[int]:
-    """Occupy the main heap's free chunks of `min_bytes` or more for the duration, without touching them;
+    """Occupy the main arena's free chunks of `min_bytes` or more for the duration, without touching them;
     yields how many bytes were plugged.
 
-    Why: glibc serves a large request from a free heap chunk that fits before it maps fresh memory, and a
-    chunk freed inside the heap stays resident. A process whose heap holds large free chunks (memory
+    Why: glibc serves a large request from a free arena chunk that fits before it maps fresh memory, and a
+    chunk freed inside the arena stays resident. A process whose arena holds large free chunks (memory
     allocated and freed before the mmap threshold was pinned: a model loaded, an autograd step) runs a
     measured region in them; blocks freed and allocated again during the region land at new places in
-    those chunks, so RSS climbs past the region's live peak (a mesp step read 46 MiB after one bp step
-    had left such chunks, 35 MiB in a fresh process). With the chunks plugged, the region's large blocks
-    are mapped and unmapped as in a fresh process. Plugs cost address space, not memory: malloc hands out
-    a chunk without touching it (after release_free_heap its pages are not resident). Sizes are tried from
-    the heap's size down by halves; a block that comes back outside the heap (mapped) ends that size.
-    Only the main arena (the main thread's, which runs the step) is plugged; other threads' arenas keep
-    their free chunks. No-op off glibc or where /proc/self/maps has no heap."""
+    those chunks, so RSS climbs past the region's live peak. With the chunks plugged, the region's large
+    blocks are mapped and unmapped as in a fresh process. Plugs cost address space, not memory: malloc hands
+    out a chunk without touching it (after release_free_heap its pages are not resident).
+
+    Sizes are tried from the arena's free total down by halves, never plugging more than that total; a block
+    that malloc mapped fresh (its chunk header's IS_MMAPPED bit) ends that size. The arena is found by that bit, not by address: when brk cannot
+    grow the `[heap]` mapping, glibc extends the main arena with mappings elsewhere (seen after loading
+    SmolLM2-135M in a long test process: a 1.8 GB free chunk outside `[heap]`, which a plug by address
+    missed, so mesp steps read 34 MiB where a fresh process reads 18). Only the main arena (the main
+    thread's, which runs the step) is plugged. No-op off glibc."""
     libc = _libc()
-    heap = main_heap_range() if libc is not None else None
     plugs: list[int] = []
     plugged = 0
     try:
-        if heap is not None:
-            start, end = heap
-            size = 1 << max(0, (end - start).bit_length() - 1)
-            while size >= min_bytes:
-                while True:
-                    address = libc.malloc(size)
-                    if not address:
-                        break
-                    if not start <= address < end:
-                        libc.free(address)
-                        break
-                    plugs.append(address)
-                    plugged += size
-                size //= 2
+        free_bytes = _arena_free_bytes(libc) if libc is not None else 0
+        size = 1 << max(0, free_bytes.bit_length() - 1)
+        while libc is not None and size >= min_bytes:
+            # Never more than was free: with the threshold not pinned, malloc serves a request below it by
+            # growing the arena, and those blocks would pass the mapped-chunk test forever.
+            while plugged + size <= free_bytes:
+                address = libc.malloc(size)
+                if not address:
+                    break
+                if _is_mapped_chunk(address):
+                    libc.free(address)
+                    break
+                plugs.append(address)
+                plugged += size
+            size //= 2
         yield plugged
     finally:
         for address in plugs:
             libc.free(address)
+
+
+# glibc's chunk header: the size word just before the block, its low bits flags; IS_MMAPPED marks a block
+# mapped on its own (not carved from an arena).
+_IS_MMAPPED = 0x2
+
+
+def _is_mapped_chunk(address: int) -> bool:
+    return bool(ctypes.c_size_t.from_address(address - ctypes.sizeof(ctypes.c_size_t)).value & _IS_MMAPPED)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _arena_free_bytes(libc: Any) -> int:
+    """Free bytes held by the arenas (mallinfo2's fordblks, glibc 2.33+; else the [heap] mapping's size)."""
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is not None:
+        mallinfo2.restype = _MallInfo2
+        return int(mallinfo2().fordblks)
+    heap = main_heap_range()
+    return 0 if heap is None else heap[1] - heap[0]
 
 
 def _libc() -> Any:
