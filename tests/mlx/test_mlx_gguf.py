@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 import edgetrain  # noqa: E402
 from edgetrain.backends.mlx.gguf import load_gguf_mlx  # noqa: E402
-from edgetrain.backends.mlx.gguf_blocks import pack_blocks  # noqa: E402
+from edgetrain.models.gguf.packed import pack_blocks  # noqa: E402
 from edgetrain.backends.mlx.learner import MLXLearner  # noqa: E402
 from edgetrain.backends.mlx.lora import add_lora  # noqa: E402
 from edgetrain.backends.mlx.methods import MLX_METHODS  # noqa: E402

@@ -6,7 +6,7 @@ what a tensor becomes:
 
   block projections (attn_q/k/v/output, ffn_gate/up/down)
       Q4_0, Q4_1       QuantizedLinear, 4 bits, group 32: the file's integers and scales, not requantised
-      Q8_0             QuantizedLinear, 8 bits, group 32 (gguf_blocks.py has the mapping)
+      Q8_0             QuantizedLinear, 8 bits, group 32 (edgetrain/models/gguf/packed.py has the mapping)
       F32, F16, BF16   nn.Linear in the requested dtype
   token embedding, LM head (output.weight)
       any type         dense in the requested dtype: dequantised when stored quantised (logged). The
@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from edgetrain.backends.mlx.gguf_blocks import PACKABLE_TYPES, PackedWeight, all_finite, pack_blocks
+from edgetrain.models.gguf.packed import PACKABLE_TYPES, PackedWeight, all_finite, pack_blocks
 from edgetrain.backends.mlx.lora import resolve_path
 from edgetrain.backends.mlx.model import MLXDecoder
 from edgetrain.backends.mlx.quantize import BLOCK_LINEARS, ComputeMode, QuantizedLinear, default_compute_mode

@@ -15,7 +15,7 @@ projections x @ A^T are recomputed where their gradient needs them (the MeSP ins
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from edgetrain.methods.mesp.ops import (LinearWeights, LoRAGradients, causal_att
                                         rope_backward, rope_forward, swiglu_backward, swiglu_forward)
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, rope_cos_sin
 from edgetrain.models.lora import LORA_TARGETS, LoRALinear
+from edgetrain.models.quantized import QuantizedLinear
 from edgetrain.registry import EdgetrainError
 
 # Projection names in the order the block uses them; module paths come from LORA_TARGETS.
@@ -43,11 +44,18 @@ def linear_weights(module: nn.Module, where: str) -> LinearWeights:
             raise EdgetrainError(f"{where}: LoRA dropout ({module.dropout}) is not supported by mesp, whose "
                                  "recomputed forward could not replay the dropout mask; use dropout=0")
         base = module.base
-        return LinearWeights(base.weight.detach(), None if base.bias is None else base.bias.detach(),
-                             module.lora_A.detach(), module.lora_B.detach(), float(module.scale))
+        return replace(_frozen_weights(base, where), lora_A=module.lora_A.detach(), lora_B=module.lora_B.detach(),
+                       scale=float(module.scale))
+    return _frozen_weights(module, where)
+
+
+def _frozen_weights(module: nn.Module, where: str) -> LinearWeights:
+    if isinstance(module, QuantizedLinear):  # dequantised when used, one layer at a time
+        return LinearWeights(None, None if module.bias is None else module.bias.detach(), dequantize=module.dequantize)
     if type(module) is nn.Linear:
         return LinearWeights(module.weight.detach(), None if module.bias is None else module.bias.detach())
-    raise EdgetrainError(f"{where} is a {type(module).__name__}; mesp handles nn.Linear and LoRALinear")
+    raise EdgetrainError(f"{where} is a {type(module).__name__}; mesp handles nn.Linear, QuantizedLinear and "
+                         "LoRALinear")
 
 
 @dataclass

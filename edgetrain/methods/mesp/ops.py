@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -218,11 +218,17 @@ class LinearWeights:
     """A frozen linear y = x W^T + b, plus a LoRA adapter (A [r, in], B [out, r], scale) when present.
     The tensors are plain (detached) views of the module's parameters."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     bias: torch.Tensor | None = None
     lora_A: torch.Tensor | None = None
     lora_B: torch.Tensor | None = None
     scale: float = 1.0
+    # A quantised base (edgetrain.models.quantized): weight is None and this gives the dense matrix, made
+    # anew at each use so that only the layer computing holds it.
+    dequantize: Callable[[], torch.Tensor] | None = None
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight if self.dequantize is None else self.dequantize()
 
     @property
     def has_lora(self) -> bool:
@@ -265,7 +271,7 @@ def linear_group_forward(x: torch.Tensor, linears: Sequence[LinearWeights]
     projection = lora_projection(x, linears)
     outputs, offset = [], 0
     for lin in linears:
-        y = F.linear(x, lin.weight, lin.bias)
+        y = F.linear(x, lin.dense_weight(), lin.bias)
         if lin.lora_B is not None:
             y.addmm_(projection[:, offset:offset + lin.rank], lin.lora_B.t(), alpha=lin.scale)
             offset += lin.rank
@@ -306,9 +312,9 @@ def lora_group_backward(x: torch.Tensor, linears: Sequence[LinearWeights], grad_
 def linear_group_input_grad(linears: Sequence[LinearWeights], grad_outputs: Sequence[torch.Tensor],
                             grad_projection: torch.Tensor | None) -> torch.Tensor:
     """dL/dx = sum g W + sum s (g B) A for linears sharing the input x, accumulated in one buffer."""
-    grad_x = grad_outputs[0] @ linears[0].weight
+    grad_x = grad_outputs[0] @ linears[0].dense_weight()
     for lin, grad in zip(linears[1:], grad_outputs[1:]):
-        grad_x.addmm_(grad, lin.weight)
+        grad_x.addmm_(grad, lin.dense_weight())
     if grad_projection is not None:
         grad_x.addmm_(grad_projection, torch.cat([lin.lora_A for lin in linears if lin.has_lora], dim=0))
     return grad_x

@@ -127,9 +127,12 @@ def read_tensor(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> LlamaModel:
+              device: torch.device | str = "cpu", quantized: bool = False) -> LlamaModel:
     """A llama / qwen2 decoder from a GGUF file, weights dequantised to `dtype` on `device`. The file's
-    byte-level BPE vocabulary, when it has one, becomes `model.tokenizer` (read with model_tokenizer)."""
+    byte-level BPE vocabulary, when it has one, becomes `model.tokenizer` (read with model_tokenizer).
+
+    `quantized=True` keeps the block projections stored as Q4_0, Q4_1 or Q8_0 packed, as QuantizedLinear
+    (edgetrain.models.quantized: the file's integers and scales, not requantised); the rest is dense."""
     gguf = read_gguf(path)
     config = config_from_metadata(gguf)
     with torch.device("meta"):  # no random init: every weight is assigned from the file
@@ -137,6 +140,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     tensors: dict[str, torch.Tensor] = {}
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
     for gguf_name, (target, info) in plan_tensors(gguf, config, expected).items():
+        if quantized and _install_packed(model, gguf, info, target, config, gguf_name, dtype, tensors):
+            continue
         tensor = read_tensor(gguf, info)
         heads = rope_heads(config, gguf_name)
         if heads is not None:
@@ -145,6 +150,39 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     load_weights(model, tensors, str(gguf.path), dtype)
     attach_gguf_tokenizer(gguf, model)
     return model.to(device)
+
+
+_PROJECTION = re.compile(r"(blocks\.\d+\.(?:self_attn|mlp)\.[a-z_]+_proj)\.weight")
+
+
+def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target: str, config: LlamaConfig,
+                    gguf_name: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> bool:
+    """Put a QuantizedLinear shell (meta device) where a packable block projection is, and its packed
+    tensors into `tensors` for load_weights; False when the tensor is not one (it is read dense)."""
+    from edgetrain.models.gguf.packed import PACKABLE_TYPES, all_finite, pack_blocks
+    from edgetrain.models.quantized import QuantizedLinear
+
+    match = _PROJECTION.fullmatch(target)
+    if match is None or info.ggml_type not in PACKABLE_TYPES:
+        return False
+    packed = pack_blocks(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+    if not all_finite(packed):
+        raise GGUFError(f"{gguf.path}: tensor {info.name!r} holds NaN or infinite values")
+    order = rope_row_order(config, gguf_name, info.shape[0])
+    if order is not None:
+        packed = packed.rows(order)
+    module_path = match.group(1)
+    parent_path, _, attribute = module_path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    dense = getattr(parent, attribute)
+    layer = QuantizedLinear.from_packed(packed, dtype=dtype if dtype.is_floating_point else torch.float32)
+    with torch.device("meta"):
+        shell = QuantizedLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size,
+                                bias=dense.bias is not None)
+    setattr(parent, attribute, shell)
+    for name in ("codes", "scales", "biases"):
+        tensors[f"{module_path}.{name}"] = getattr(layer, name)
+    return True
 
 
 def attach_gguf_tokenizer(gguf: GGUFFile, model: Any) -> None:

@@ -1,4 +1,5 @@
-"""ggml block formats -> MLX's affine quantisation (the layout of mx.quantize), without requantising.
+"""ggml block formats -> the affine group quantisation that MLX (mx.quantize) and edgetrain's torch
+QuantizedLinear hold, without requantising.
 
 MLX keeps w = scale * q + bias for each group of `group_size` consecutive inputs of a row, q unsigned
 `bits`-bit integers packed little-endian into uint32 words (element j of a word in bits
