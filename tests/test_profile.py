@@ -199,3 +199,23 @@ def test_ctrl_c_leaves_no_orphan():
     time.sleep(0.5)
     assert [p for p in _profiler_children(parent.pid) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_a_4_bit_base_on_torch_keeps_less_weight_memory_and_reports_its_footprint(tmp_path):
+    """`--quantize-bits 4` on torch-cpu: the base held packed, the same gradients against the fp64 reference
+    of that (dequantised) base, and the footprint column: what the process holds above torch's runtime plus
+    the step's peak."""
+    records = {}
+    for bits in (None, 4):
+        out = tmp_path / f"{bits}.json"
+        flags = ["--quantize-bits", str(bits)] if bits else []
+        assert cli_main(["profile", "--methods", "mesp", "--seq", "256", "--steps", "1", "--quiet", "--json",
+                         str(out), *flags]) == 0
+        records[bits] = json.loads(out.read_text())[0]
+    dense, packed = records[None], records[4]
+    assert packed["quantize_bits"] == 4 and dense["quantize_bits"] is None
+    assert packed["weights_bytes"] < 0.5 * dense["weights_bytes"]
+    assert packed["grad_cosine"] > 0.9999 and packed["grad_max_rel_err"] < 1e-4
+    for record in (dense, packed):
+        assert record["weights_bytes"] < record["footprint_bytes"] < record["weights_bytes"] + 64 * 2**20, record
+        assert 0.7 < record["peak_bytes_probe"] / record["estimate_bytes"] < 1.5

@@ -7,4 +7,4 @@ from edgetrain.backends.host import cpu_memory_probe
 
 BACKENDS.add("torch-cpu", Backend(name="torch-cpu", framework="torch", device="cpu",
                                   synchronize=lambda: None,
-                                  availability=lambda: (True, ""), probe=cpu_memory_probe))
+                                  availability=lambda: (True, ""), probe=cpu_memory_probe, quantized_base=True))

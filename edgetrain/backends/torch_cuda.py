@@ -21,4 +21,4 @@ def _synchronize() -> None:
 
 BACKENDS.add("torch-cuda", Backend(name="torch-cuda", framework="torch", device="cuda",
                                    synchronize=_synchronize,
-                                   availability=_availability, probe=lambda: "cuda"))
+                                   availability=_availability, probe=lambda: "cuda", quantized_base=True))

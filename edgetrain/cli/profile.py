@@ -42,7 +42,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     parser.add_argument("--quantize-bits", type=int, default=None, metavar="N",
-                        help="mlx backend: base weights in N bits, group size 64 (4: the MeSP paper's setup)")
+                        help="base weights quantised to N bits on load (4: the MeSP paper's setup; groups of 32 on "
+                             "torch, 64 on mlx), dequantised one layer at a time")
+    parser.add_argument("--quantized", action="store_true",
+                        help="torch: keep a GGUF model's Q4_0/Q4_1/Q8_0 block projections packed as stored")
     parser.add_argument("--no-fidelity", action="store_true",
                         help="skip the gradient comparison with the fp64 reference (bp on a float64 copy)")
     parser.add_argument("--target", default=None, help="device profile from targets/ (budget warning)")
@@ -71,6 +74,11 @@ def main(args: argparse.Namespace) -> int:
 
     backend = get_backend(args.backend)
     methods_here = backend.method_registry()
+    if args.quantized and backend.framework != "torch":
+        from edgetrain.registry import EdgetrainError
+
+        raise EdgetrainError(f"--quantized keeps a GGUF's blocks packed on torch; {args.backend!r} keeps them "
+                             "quantised by itself")
     if args.quantize_bits is not None and not backend.quantized_base:
         from edgetrain.registry import EdgetrainError
 
@@ -99,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
             config = ProfileConfig(model=args.model, method=method, backend=args.backend, seq=args.seq,
                                    batch=args.batch, rank=args.rank, steps=args.steps, dtype=args.dtype,
                                    layers=args.layers, fidelity=not args.no_fidelity,
-                                   quantize_bits=args.quantize_bits)
+                                   quantize_bits=args.quantize_bits, quantized=args.quantized)
             records.append(run_isolated(config, on_progress=lambda line: log.info("    %s", line)))
             bar.update()
     print(format_table(records))

@@ -23,7 +23,8 @@ class ProfileConfig:
     fidelity: bool = True     # compare the method's gradient with exact autograd on the same batch
     layers: int | None = None  # keep only the first N blocks (shape studies of big presets)
     method_options: dict[str, Any] = field(default_factory=dict)
-    quantize_bits: int | None = None  # mlx backend: base weights in N bits (4 = the MeSP paper's)
+    quantize_bits: int | None = None  # base weights quantised to N bits on load (4 = the MeSP paper's)
+    quantized: bool = False           # torch: a GGUF's 4/8-bit block projections kept as stored
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -50,25 +50,30 @@ def format_table(records: list[dict[str, Any]]) -> str:
             f"{first.get('trainable_params', 0):,} trainable), seq {first['seq']}, batch {first['batch']}, "
             f"{first.get('dtype', '')}, {first['backend']}, "
             + (f"{first.get('quantize_bits')}-bit base, " if first.get("quantize_bits") else "")
+            + ("base quantised as stored in the GGUF, " if first.get("quantized") else "")
             + (f"BLAS: {first['blas']}\n" if first.get("blas") else f"{first.get('torch_threads', '?')} threads\n")
-            + f"peak = training memory above the pre-step baseline (weights excluded); "
+            + f"peak = training memory above the pre-step baseline (weights excluded); footprint = what the "
+            f"process holds above the framework's runtime (weights included) plus that peak; estimate = "
+            f"edgetrain's analytic step memory (edgetrain/step_estimates.py), probe/est its ratio to the peak\n"
             f"probe: {first.get('probe', '-')} (OS/allocator), tensors: live tensor storages; "
             f"ratios are to {first['method']}"
             + _gradient_reference_line(records))
-    columns = ["method", "probe MiB", "ratio", "tensors MiB", "ratio", "s/step", "ratio", "loss",
-               "grad cos vs ref", "max rel err vs ref", "peak in"]
+    columns = ["method", "probe MiB", "ratio", "tensors MiB", "ratio", "footprint MiB", "ratio", "estimate MiB",
+               "probe/est", "s/step", "ratio", "loss", "grad cos vs ref", "max rel err vs ref", "peak in"]
     rows = [columns]
     for record in records:
         rows.append([
             record["method"],
             _mib(record["peak_bytes_probe"]), _ratio(record["peak_bytes_probe"], first["peak_bytes_probe"]),
             _mib(record["peak_bytes_tensors"]), _ratio(record["peak_bytes_tensors"], first["peak_bytes_tensors"]),
+            _mib(record.get("footprint_bytes")), _ratio(record.get("footprint_bytes"), first.get("footprint_bytes")),
+            _mib(record.get("estimate_bytes")), _ratio(record["peak_bytes_probe"], record.get("estimate_bytes")),
             _num(record["step_seconds"], ".3f"), _ratio(record["step_seconds"], first["step_seconds"]),
             _num(record["loss"], ".4f"), _num(record["grad_cosine"], ".4f"),
             _num(record["grad_max_rel_err"], ".1e"), str(record.get("peak_region") or "-"),
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = ["  ".join(cell.ljust(w) if i in (0, 10) else cell.rjust(w)
+    lines = ["  ".join(cell.ljust(w) if i in (0, len(columns) - 1) else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return head + "\n" + "\n".join(lines)

@@ -29,7 +29,8 @@ def build_model(config):
     import edgetrain
 
     torch.manual_seed(config.seed)
-    model = edgetrain.load_model(config.model, backend=config.backend, dtype=config.dtype)
+    model = edgetrain.load_model(config.model, backend=config.backend, dtype=config.dtype,
+                                 quantize_bits=config.quantize_bits, quantized=config.quantized)
     if config.layers is not None:
         if not 0 < config.layers <= len(model.blocks):
             raise edgetrain.EdgetrainError(f"--layers {config.layers}: the model has {len(model.blocks)} blocks")
@@ -97,7 +98,8 @@ def profile_torch_method(config) -> dict[str, Any]:
     record: dict[str, Any] = {"method": config.method, "backend": config.backend, "model": config.model,
                               "seq": config.seq, "batch": config.batch, "rank": config.rank,
                               "dtype": config.dtype, "layers": len(model.blocks),
-                              "lora": getattr(model, "lora_config", None) is not None}
+                              "lora": getattr(model, "lora_config", None) is not None,
+                              "quantize_bits": config.quantize_bits, "quantized": config.quantized}
     if config.fidelity:
         _progress(f"[{config.method}] gradient fidelity against {GRADIENT_REFERENCE}")
         record.update(gradient_fidelity(model, config.method, batch, config.method_options))
@@ -110,6 +112,7 @@ def profile_torch_method(config) -> dict[str, Any]:
                                 seed=config.seed)
     _progress(f"[{config.method}] warm-up step")
     first = learner.step(batch)
+    resident_before_steps = _resident_bytes(learner.probe) if learner.probe is not None else None
     if record["loss"] is None:
         record["loss"] = first.loss
     seconds, peaks = [], []
@@ -121,6 +124,15 @@ def profile_torch_method(config) -> dict[str, Any]:
     record["probe"] = stats.probe
     record["step_seconds"] = statistics.median(seconds)
     record["peak_bytes_probe"] = None if any(p is None for p in peaks) else max(peaks)
+    # The whole footprint: what the process holds above the framework's own runtime (weights, their
+    # quantisation, buffers) plus the step's peak above that.
+    record["footprint_bytes"] = None if None in (resident_before_steps, RUNTIME_BASELINE.get("bytes"),
+                                                 record["peak_bytes_probe"]) else \
+        resident_before_steps - RUNTIME_BASELINE["bytes"] + record["peak_bytes_probe"]
+    record["runtime_baseline_bytes"] = RUNTIME_BASELINE.get("bytes")
+    from edgetrain.step_estimates import estimate_step_bytes
+
+    record["estimate_bytes"] = estimate_step_bytes(model, batch, config.method)
 
     _progress(f"[{config.method}] tensor accounting step")
     accountant = TensorAccountant(model=model)
@@ -136,6 +148,44 @@ def profile_torch_method(config) -> dict[str, Any]:
     return record
 
 
+# What this process holds with the framework imported and nothing built yet (about 220 MiB for torch on
+# Linux): the base the footprint is counted from.
+RUNTIME_BASELINE: dict[str, int] = {}
+
+
+def _read_runtime_baseline(backend: str) -> None:
+    from edgetrain.probes import PROBES, default_probe_name
+
+    # Into the imported module's dict: run as `python -m`, this file is __main__, and the profiler the
+    # backend names imports it again as edgetrain.profiler.worker.
+    from edgetrain.profiler import worker
+    from edgetrain.backends import get_backend
+
+    # The runtime: the framework and edgetrain's training code imported, nothing built. A torch optimizer
+    # imports torch._dynamo on first use (about 70 MiB of Python objects): runtime too, not training.
+    if get_backend(backend).framework == "torch":
+        import torch
+
+        import edgetrain.learner  # noqa: F401
+        import edgetrain.methods  # noqa: F401
+        import edgetrain.models  # noqa: F401
+        import edgetrain.step_estimates  # noqa: F401
+
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    probe = PROBES.get(default_probe_name(backend))()
+    if probe.available()[0]:
+        worker.RUNTIME_BASELINE["bytes"] = _resident_bytes(probe)
+
+
+def _resident_bytes(probe) -> int:
+    """What the probe reads now, less file-backed pages where it can tell them apart: library code the
+    first kernels map in (tens of MiB) is shared and the kernel's to drop, not the training's footprint."""
+    from edgetrain.step_memory import file_backed_bytes
+
+    file_bytes = file_backed_bytes(probe)
+    return probe.current_bytes() - (file_bytes or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     from edgetrain.profiler.config import ProfileConfig
 
@@ -145,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         from edgetrain.probes.glibc import fix_malloc_mmap_threshold
 
         fix_malloc_mmap_threshold()
+        _read_runtime_baseline(config.backend)
         record = profile_method(config)
     except Exception as exc:  # reported to the parent, which prints it with the method's name
         from edgetrain.registry import EdgetrainError

@@ -83,7 +83,9 @@ def test_profile_cli_with_the_mlx_backend(tmp_path):
         assert record["grad_max_rel_err"] <= 1e-5
 
 
-def test_profile_cli_refuses_quantize_bits_on_torch():
+def test_profile_cli_refuses_keeping_gguf_blocks_on_mlx():
+    """--quantized is torch's switch (MLX keeps a GGUF's blocks quantised always); --quantize-bits works on
+    both (tests/test_profile.py has torch's)."""
     from edgetrain.cli import main
 
-    assert main(["profile", "--backend", "torch-cpu", "--quantize-bits", "4", "--steps", "1"]) == 2
+    assert main(["profile", "--backend", "mlx", "--quantized", "--steps", "1"]) == 2
