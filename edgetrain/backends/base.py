@@ -31,6 +31,10 @@ class Backend:
     adapter_loader: str = "edgetrain.adapters.convert:load_adapter"  # (model, path): any adapter format
     adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
     quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
+    # (model, bits): quantise a loaded model's base; None where the loader does it (mlx: its own flag)
+    quantizer: str | None = "edgetrain.models.quantize:quantize_linears"
+    # (path, dtype, device): a GGUF with its 4/8-bit blocks kept as stored; None where that is the only way
+    packed_gguf_loader: str | None = "edgetrain.models.gguf:load_packed_gguf"
     loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files
     reads_text_out: bool = True                         # text_out runs its models (generate, eval)
     # The module with generate_ids / generate / held_out_loss for this framework's models (the signatures
@@ -42,6 +46,16 @@ class Backend:
 
     def load_model(self, name_or_path: Any, dtype: Any, device: Any) -> Any:
         return _resolve(self.loader)(name_or_path, dtype=dtype, device=device)
+
+    def quantize(self, model: Any, bits: int) -> Any:
+        if self.quantizer is None:
+            raise EdgetrainError(f"backend {self.name!r} quantises its base in its own loader, not after loading")
+        return _resolve(self.quantizer)(model, bits)
+
+    def load_packed_gguf(self, path: Any, dtype: Any, device: Any) -> Any:
+        if self.packed_gguf_loader is None:
+            raise EdgetrainError(f"backend {self.name!r} keeps a GGUF's 4- and 8-bit blocks quantised by itself")
+        return _resolve(self.packed_gguf_loader)(path, dtype=dtype, device=device)
 
     def method_registry(self) -> Any:
         return _resolve(self.methods)

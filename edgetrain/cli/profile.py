@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
 
     backend = get_backend(args.backend)
     methods_here = backend.method_registry()
-    if args.quantized and backend.framework != "torch":
+    if args.quantized and backend.packed_gguf_loader is None:
         from edgetrain.registry import EdgetrainError
 
         raise EdgetrainError(f"--quantized keeps a GGUF's blocks packed on torch; {args.backend!r} keeps them "

@@ -61,9 +61,6 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
     if _is_gguf(file_name) and not entry.loads_gguf:  # before a download that could not be used
         from edgetrain.models.gguf import GGUFError
         raise GGUFError(f"{name_or_path}: backend {name!r} does not load GGUF files (yet)")
-    if (quantized or quantize_bits is not None) and entry.framework != "torch":
-        raise EdgetrainError(f"load_model: quantized / quantize_bits are for torch backends; {name!r} keeps a "
-                             "GGUF's 4- and 8-bit weights quantised by itself")
     if quantized and quantize_bits is not None:
         raise EdgetrainError("load_model: give quantized=True (keep a GGUF's blocks) or quantize_bits (quantise "
                              "on load), not both")
@@ -73,15 +70,11 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
     if named_download:
         name_or_path = fetch(name_or_path)
     if quantized:
-        from edgetrain.models.gguf import load_gguf
-
-        model = load_gguf(name_or_path, dtype=parse_dtype(dtype), device=device or entry.device, quantized=True)
+        model = entry.load_packed_gguf(name_or_path, dtype=parse_dtype(dtype), device=device or entry.device)
     else:
         model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
     if quantize_bits is not None:
-        from edgetrain.models.quantized import quantize_linears
-
-        quantize_linears(model, quantize_bits)
+        entry.quantize(model, quantize_bits)
     if adapter is not None:
         entry.load_adapter(model, adapter)
     return model

@@ -5,7 +5,7 @@ packed along each row (two 4-bit values a byte, or one 8-bit value), with a scal
 `group_size` inputs: w = scale * q + bias, MLX's affine layout (edgetrain.models.gguf.packed). GGUF's
 Q4_0, Q4_1 and Q8_0 blocks map onto it exactly, so a GGUF model loads without requantising
 (`load_model(path.gguf, quantized=True)`); dense weights are quantised on load per group from their
-minimum and maximum (`load_model(..., quantize_bits=4)`, or `quantize_linears(model, 4)`).
+minimum and maximum (`load_model(..., quantize_bits=4)`, or edgetrain.models.quantize.quantize_linears(model, 4)).
 
 The dense weight exists only while one layer computes with it: the forward dequantises, multiplies and
 drops it; the backward (the weight is frozen, so only dL/dx = dL/dy W is needed) dequantises it again
@@ -127,32 +127,6 @@ class QuantizedLinear(nn.Module):
         if bias is not None:
             layer.bias = bias.detach().clone()
         return layer
-
-
-def quantize_linears(model: nn.Module, bits: int, group_size: int = GROUP_SIZE) -> int:
-    """Replace the base nn.Linear of every block projection of a decoder (inside its LoRA wrapper, when
-    adapted) by a QuantizedLinear of `bits` bits; how many were replaced. Embedding, LM head and norms
-    stay dense: the head is tied to the embedding in small models, and MeSP's chunked loss slices its rows."""
-    from edgetrain.models.lora import LORA_TARGETS, LoRALinear
-
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise EdgetrainError(f"quantize_linears: a {type(model).__name__} has no decoder blocks")
-    replaced = 0
-    for block in blocks:
-        for path in LORA_TARGETS.values():
-            parent_path, _, name = path.rpartition(".")
-            parent = block.get_submodule(parent_path)
-            module = getattr(parent, name)
-            owner, attribute = (module, "base") if isinstance(module, LoRALinear) else (parent, name)
-            linear = getattr(owner, attribute)
-            if isinstance(linear, QuantizedLinear):
-                continue
-            if type(linear) is not nn.Linear:
-                raise EdgetrainError(f"quantize_linears: {path} is a {type(linear).__name__}, not an nn.Linear")
-            setattr(owner, attribute, QuantizedLinear.from_dense(linear.weight, bits, linear.bias, group_size))
-            replaced += 1
-    return replaced
 
 
 def is_quantized(module: nn.Module) -> bool:

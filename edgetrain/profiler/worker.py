@@ -92,6 +92,7 @@ def profile_torch_method(config) -> dict[str, Any]:
     import edgetrain
     from edgetrain.probes import TensorAccountant, default_probe_name, measuring
 
+    runtime_baseline = _runtime_baseline_bytes(default_probe_name(config.backend))
     _progress(f"[{config.method}] building {config.model} ({config.dtype})")
     model = build_model(config)
     batch = build_batch(model, config)
@@ -126,10 +127,10 @@ def profile_torch_method(config) -> dict[str, Any]:
     record["peak_bytes_probe"] = None if any(p is None for p in peaks) else max(peaks)
     # The whole footprint: what the process holds above the framework's own runtime (weights, their
     # quantisation, buffers) plus the step's peak above that.
-    record["footprint_bytes"] = None if None in (resident_before_steps, RUNTIME_BASELINE.get("bytes"),
+    record["footprint_bytes"] = None if None in (resident_before_steps, runtime_baseline,
                                                  record["peak_bytes_probe"]) else \
-        resident_before_steps - RUNTIME_BASELINE["bytes"] + record["peak_bytes_probe"]
-    record["runtime_baseline_bytes"] = RUNTIME_BASELINE.get("bytes")
+        resident_before_steps - runtime_baseline + record["peak_bytes_probe"]
+    record["runtime_baseline_bytes"] = runtime_baseline
     from edgetrain.step_estimates import estimate_step_bytes
 
     record["estimate_bytes"] = estimate_step_bytes(model, batch, config.method)
@@ -148,33 +149,19 @@ def profile_torch_method(config) -> dict[str, Any]:
     return record
 
 
-# What this process holds with the framework imported and nothing built yet (about 220 MiB for torch on
-# Linux): the base the footprint is counted from.
-RUNTIME_BASELINE: dict[str, int] = {}
+def _runtime_baseline_bytes(probe_name: str) -> int | None:
+    """What this process holds with torch's runtime loaded and nothing built (about 220 MiB on Linux): torch,
+    edgetrain's training code, and torch._dynamo, which a torch optimizer imports on first use (about 70 MiB
+    of Python objects). The footprint is counted from here."""
+    import torch
 
+    import edgetrain.learner  # noqa: F401
+    import edgetrain.step_estimates  # noqa: F401
+    from edgetrain.probes import PROBES
 
-def _read_runtime_baseline(backend: str) -> None:
-    from edgetrain.probes import PROBES, default_probe_name
-
-    # Into the imported module's dict: run as `python -m`, this file is __main__, and the profiler the
-    # backend names imports it again as edgetrain.profiler.worker.
-    from edgetrain.profiler import worker
-    from edgetrain.backends import get_backend
-
-    # The runtime: the framework and edgetrain's training code imported, nothing built. A torch optimizer
-    # imports torch._dynamo on first use (about 70 MiB of Python objects): runtime too, not training.
-    if get_backend(backend).framework == "torch":
-        import torch
-
-        import edgetrain.learner  # noqa: F401
-        import edgetrain.methods  # noqa: F401
-        import edgetrain.models  # noqa: F401
-        import edgetrain.step_estimates  # noqa: F401
-
-        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    probe = PROBES.get(default_probe_name(backend))()
-    if probe.available()[0]:
-        worker.RUNTIME_BASELINE["bytes"] = _resident_bytes(probe)
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    probe = PROBES.get(probe_name)()
+    return _resident_bytes(probe) if probe.available()[0] else None
 
 
 def _resident_bytes(probe) -> int:
@@ -195,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         from edgetrain.probes.glibc import fix_malloc_mmap_threshold
 
         fix_malloc_mmap_threshold()
-        _read_runtime_baseline(config.backend)
         record = profile_method(config)
     except Exception as exc:  # reported to the parent, which prints it with the method's name
         from edgetrain.registry import EdgetrainError

@@ -12,7 +12,8 @@ from torch import nn
 import edgetrain
 from edgetrain.methods import METHODS
 from edgetrain.models.lora import LoRALinear
-from edgetrain.models.quantized import QuantizedLinear, is_quantized, quantize_linears
+from edgetrain.models.quantize import quantize_linears
+from edgetrain.models.quantized import QuantizedLinear, is_quantized
 from edgetrain.registry import EdgetrainError
 
 

@@ -7,9 +7,9 @@
 """
 from edgetrain.models.gguf.config import config_from_metadata
 from edgetrain.models.gguf.dequant import dequantize
-from edgetrain.models.gguf.loader import load_gguf
+from edgetrain.models.gguf.loader import load_gguf, load_packed_gguf
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
 from edgetrain.models.gguf.tokenizer import GGUFTokenizer, load_gguf_tokenizer
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTokenizer", "TensorInfo", "config_from_metadata", "dequantize",
-           "load_gguf", "load_gguf_tokenizer", "read_gguf"]
+           "load_gguf", "load_gguf_tokenizer", "load_packed_gguf", "read_gguf"]

@@ -152,6 +152,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device)
 
 
+def load_packed_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> LlamaModel:
+    """load_gguf(..., quantized=True): the block projections stored as Q4_0, Q4_1 or Q8_0 kept packed."""
+    return load_gguf(path, dtype=dtype, device=device, quantized=True)
+
+
 _PROJECTION = re.compile(r"(blocks\.\d+\.(?:self_attn|mlp)\.[a-z_]+_proj)\.weight")
 
 
