@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sqlite3
 import sys
