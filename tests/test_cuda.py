@@ -94,3 +94,21 @@ def test_profile_runs_on_the_gpu(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "mesp" in out and "cuda" in out
+
+
+@pytest.mark.parametrize("method", ["bp", "mebp", "mesp"])
+def test_a_4_bit_base_on_the_gpu_gives_the_cpus_gradients(method, text_batches):
+    """Quantised frozen weights (edgetrain.models.quantized) dequantised on the GPU, layer by layer."""
+    torch.manual_seed(0)
+    cpu_model = edgetrain.load_model("tiny", quantize_bits=4)
+    edgetrain.add_lora(cpu_model, rank=4)
+    with torch.no_grad():
+        for name, param in cpu_model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    assert all(b.device.type == "cuda" for name, b in gpu_model.named_buffers() if name.endswith("codes"))
+    batch = text_batches(1, seq_len=64, batch_size=2)[0]
+    _, cpu_grads = METHODS.get(method)(cpu_model).gradients(batch)
+    _, gpu_grads = METHODS.get(method)(gpu_model).gradients(batch.to("cuda"))
+    assert _relative_error(gpu_grads, cpu_grads) <= 1e-4

@@ -10,7 +10,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$out/device.log"
 timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rs \
-    tests/test_cuda.py tests/probes/test_probe_cuda.py tests/probes/test_probe_tensors.py \
+    tests/test_cuda.py tests/probes/test_probe_cuda.py tests/probes/test_probe_tensors.py tests/models/test_quantized.py \
     tests/models/test_load_model_backends.py \
     tests/methods/test_asyncfgd.py::test_cuda_streams_give_the_reference_schedulers_weights \
     tests/promises/test_mutation_kills_asyncfgd.py::test_cuda_stream_workers_issue_each_modules_kernels_on_its_own_stream \
