@@ -38,6 +38,7 @@ MEASURE = """
 import json, sys, torch, edgetrain
 sys.path.insert(0, "tests")
 from testkit import random_lora_b, text_token_batches
+from edgetrain.probes import TensorAccountant
 from edgetrain.step_estimates import estimate_step_bytes
 torch.set_num_threads(1)
 batch = text_token_batches(1, seq_len=256)[0]
