@@ -4,8 +4,10 @@
   memory    peak training memory of ResNet-18 (ImageNet stem, 224x224, AdamW) by tensor accounting
             (edgetrain.probes.TensorAccountant: weights, grads, optimizer state and every activation
             alive at the step's peak) for bp and SegProp seg=2,3,4 with a global head of 3 blocks, the
-            paper's Table 1 layout; a SegProp cell is the largest stage. Without and with activation
-            checkpointing (bp with checkpointing is `mebp`).
+            paper's Table 1 layout, and seg=4 with the paper's ResNet-18 split (appendix B.2: the
+            `resnet-paper` view, GH = layer4[1]'s last conv + BN + the classifier); a SegProp cell is
+            the largest stage. Without and with activation checkpointing (bp with checkpointing is
+            `mebp`). SegProp runs with head_grads_last (--head-grads-last off: without).
   snapcheck step time of SegProp's last stage (seg=4, GH=3: the deepest frozen prefix) on a stream in a
             fixed order, with SnapCheck (every batch after the first epoch is a cache hit) and without.
             (memory and snapcheck: arms of edgetrain.profiler.bench -- interleaved rounds, median, ratios)
@@ -100,12 +102,19 @@ def measured_step(learner: edgetrain.Learner, batch: Batch) -> dict[str, int]:
     return {"weights": weights, "total": report.peak_bytes, "label": report.peak_label}
 
 
-def segprop_peaks(segments: int, head_blocks: int, checkpoint: bool, balance: str, batch: Batch) -> dict:
+# Named splits of the memory table: (view, head blocks, balance). "paper" is appendix B.2's ResNet-18 split
+# (with segments=4: stem + layer1 | layer2 | layer3 | layer4[0] + layer4[1]'s front; GH = its back + head).
+SPLITS = {"blocks": ("blocks", 3, "blocks"), "memory": ("blocks", 3, "memory"), "paper": ("resnet-paper", 1, "blocks")}
+
+
+def segprop_peaks(segments: int, split_name: str, checkpoint: bool, head_grads_last: bool, batch: Batch) -> dict:
+    view, head_blocks, balance = SPLITS[split_name]
     peaks, split = [], ()
     for stage in range(segments):
         learner = edgetrain.Learner(resnet18(), method="segprop", optimizer="adamw", lr=1e-4, probe=False,
-                                    method_options={"head_blocks": head_blocks, "segments": segments,
+                                    method_options={"view": view, "head_blocks": head_blocks, "segments": segments,
                                                     "checkpoint": checkpoint, "balance": balance,
+                                                    "head_grads_last": head_grads_last,
                                                     "example_input": batch.inputs[:2].clone()})
         split = learner.method.plan.split
         for _ in range(stage):
@@ -113,7 +122,7 @@ def segprop_peaks(segments: int, head_blocks: int, checkpoint: bool, balance: st
         peaks.append(measured_step(learner, batch))
         learner.method.finish()
     return {**max(peaks, key=lambda peak: peak["total"]), "split": "/".join(map(str, split)),
-            "stages": [peak["total"] for peak in peaks]}
+            "stages": [peak["total"] for peak in peaks], "head_blocks": head_blocks}
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -122,22 +131,23 @@ def memory(args: argparse.Namespace) -> None:
     for checkpoint in [c == "on" for c in args.checkpointing]:
         arms = [Arm("bp", lambda c=checkpoint: measured_step(edgetrain.Learner(
             resnet18(), method="mebp" if c else "bp", optimizer="adamw", lr=1e-4, probe=False), batch))] + [
-            Arm(f"seg={segments}" + (", memory" if balance == "memory" else ""),
-                lambda s=segments, b=balance, c=checkpoint: segprop_peaks(s, 3, c, b, batch))
-            for balance in args.balance for segments in (2, 3, 4)]
+            Arm(f"seg={segments}" + (f", {name}" if name != "blocks" else ""),
+                lambda s=segments, n=name, c=checkpoint: segprop_peaks(s, n, c, args.head_grads_last == "on", batch))
+            for name in args.balance for segments in ((4,) if name == "paper" else (2, 3, 4))]
         summaries = compare(f"Peak training memory, ResNet-18 (ImageNet stem) {args.size}x{args.size}, batch "
                             f"{args.batch}, AdamW, checkpointing {'on (bp: mebp)' if checkpoint else 'off'}",
                             arms, "bp", [Column("total", "peak", MIB, "MiB")], 1, 0)
         samples = COMPARISONS[-1][2]
         for arm, (sample, *_) in list(samples.items())[1:]:
-            print(f"  {arm} (GH=3, its largest stage): split {sample['split']}, per stage [" + ", ".join(
+            print(f"  {arm} (GH={sample['head_blocks']}, its largest stage): split {sample['split']}, per stage [" + ", ".join(
                 f"{b / MIB:,.0f}" for b in sample["stages"]) + f"] MiB, peak in {sample['label']}")
         plain = plain if checkpoint else summaries["bp"]["total"].median
         if checkpoint and plain:
             print("  vs bp without checkpointing: " + ", ".join(
                 f"{arm} {by['total'].median / plain:.2f}x" for arm, by in summaries.items()))
     print(f"(weights + buffers: {samples['bp'][0]['weights'] / MIB:,.0f} MiB of every cell; split = blocks per body "
-          "segment, the first with the stem, 0 = the stem alone; 'memory' = balance='memory'. The paper's ResNet-101 "
+          "segment, the first with the stem, 0 = the stem alone; 'memory' = balance='memory'; 'paper' = the "
+          "resnet-paper view, GH = layer4[1]'s last conv + BN + classifier (appendix B.2). The paper's ResNet-101 "
           "Table 1 without checkpointing: 1.00 / 0.76 / 0.68 / 0.65)")
 
 
@@ -286,8 +296,11 @@ def main() -> int:
     parser.add_argument("--only", choices=SECTIONS, action="append")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--balance", nargs="+", default=["blocks", "memory"], choices=["blocks", "memory"],
-                        help="segmentations in the memory table: equal blocks (the paper's), balanced memory")
+    parser.add_argument("--balance", nargs="+", default=list(SPLITS), choices=list(SPLITS),
+                        help="segmentations in the memory table: equal blocks and balanced memory (GH=3 blocks, "
+                             "Table 1's layout), the paper's ResNet-18 split (seg=4 only)")
+    parser.add_argument("--head-grads-last", choices=["on", "off"], default="on",
+                        help="SegProp's head_grads_last option in the memory table")
     parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"],
                         help="activation checkpointing settings in the memory table")
     parser.add_argument("--snap-batches", type=int, default=4)

@@ -34,6 +34,10 @@ class ActivePath(nn.Module):
         self.tail = nn.ModuleList(tail)
         self.head = head
         self.checkpointed = checkpointed
+        # Set by the trainer when it splits the backward at the global head (head_grads_last): the
+        # forward then keeps the state entering the head units, for take_head_input().
+        self.keep_head_input = False
+        self._head_input: Any = None
 
     def _unit(self, unit: nn.Module, h: Any) -> Any:
         if self.checkpointed:
@@ -48,9 +52,18 @@ class ActivePath(nn.Module):
             h = self._unit(unit, h)
         if self.bridge is not None:
             h = self.bridge(h)
+        if self.keep_head_input:
+            self._head_input = h
         for unit in self.tail:
             h = self._unit(unit, h)
         return self.head(h) if self.head is not None else h
+
+    def take_head_input(self) -> list[torch.Tensor]:
+        """The tensors of the last forward that enter the head units (the ones autograd tracks), handed
+        over once: the path keeps no reference, so they are freed with the graph."""
+        state, self._head_input = self._head_input, None
+        leaves = [state] if isinstance(state, torch.Tensor) else list(state or ())
+        return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def module_params(modules: Iterable[nn.Module | None]) -> list[nn.Parameter]:

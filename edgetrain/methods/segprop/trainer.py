@@ -35,7 +35,7 @@ from edgetrain.methods.segprop.plan import Stage, StagePlan, plan_lw, plan_segpr
 from edgetrain.methods.segprop.prefix_cache import FrozenPrefix, make_snapcheck
 from edgetrain.methods.segprop.schedule import LR_SCHEDULES, Plateau, StageClock, stage_budgets
 from edgetrain.methods.segprop.snapcheck import SnapCheck
-from edgetrain.methods.segprop.stage_parts import StageParts, build_bridges, module_params, unique
+from edgetrain.methods.segprop.stage_parts import ActivePath, StageParts, build_bridges, module_params, unique
 from edgetrain.methods.segprop.views import UnitView, probe_activation_bytes, probe_specs, unit_view
 from edgetrain.registry import EdgetrainError
 
@@ -65,6 +65,11 @@ class StagedTrainer:
                       rates are the optimizer's lr times the multiplier (floor `min_lr_ratio`), the
                       head's also times `head_lr_scale`
       checkpoint      activation checkpointing of every active unit and head unit
+      head_grads_last segprop: split each step's backward at the global head, so that the head's
+                      parameter gradients are computed after the segment's backward instead of before
+                      it (_backward_head_last); same updates, lower peak when the head's trainable
+                      weights outweigh the activations it saves (a CNN whose head holds most weights);
+                      not for LoRA heads or large vocabularies, where the opposite holds
       snapcheck       cache frozen-prefix outputs (snapcheck.py): `snapcheck_budget` in memory (None =
                       no limit), spilled to `snapcheck_spill` ("auto" = a temporary directory, None =
                       drop) up to `snapcheck_disk_budget`; batch id = batch.index, or batch.index % snapcheck_period
@@ -83,7 +88,8 @@ class StagedTrainer:
                  steps_per_stage: int | Sequence[int] | None = None, plateau_window: int = 0,
                  plateau_patience: int = 0, plateau_min_delta: float = 1e-3, lr_schedule: str = "constant",
                  warmup_steps: int = 0, min_lr_ratio: float = 0.0, head_lr_scale: float = 1.0,
-                 checkpoint: bool = False, snapcheck: bool = False, snapcheck_budget: Any = "256MiB",
+                 checkpoint: bool = False, head_grads_last: bool = False, snapcheck: bool = False,
+                 snapcheck_budget: Any = "256MiB",
                  snapcheck_spill: str | None = "auto", snapcheck_disk_budget: Any = "2GiB",
                  snapcheck_period: int | None = None, adapter: str = "auto", aux_head: str = "auto",
                  adapters: dict[int, nn.Module] | None = None, example_input: Any = None) -> None:
@@ -133,6 +139,9 @@ class StagedTrainer:
         self.adapters = build_bridges(name, self.plan, self.view, self.specs, self.num_outputs, model, adapter,
                                       adapters or {}, device, dtype, aux_head)
         self.parts = StageParts(self.view, self.adapters, bool(checkpoint))
+        if not isinstance(head_grads_last, bool):
+            raise EdgetrainError(f"{name}: head_grads_last must be true or false, got {head_grads_last!r}")
+        self.head_grads_last = head_grads_last
         # Attached so that the learner's parameter list, optimizer and checkpoints include them.
         setattr(model, ADAPTERS_ATTRIBUTE, self.adapters)
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -159,6 +168,8 @@ class StagedTrainer:
         self._optimizer: torch.optim.Optimizer | None = None
         self._body_params: list[nn.Parameter] = []
         self._head_params: list[nn.Parameter] = []
+        self._path: ActivePath | None = None
+        self._head_grad_params: list[nn.Parameter] = []
 
     def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
         for param in self.model.parameters():
@@ -256,6 +267,11 @@ class StagedTrainer:
                     del optimizer.state[param]
         self._active = None  # a wrapper holding hooks on the previous stage's parameters goes first
         path = self.parts.path(stage)
+        # Every trainable parameter the head modules use, a tied one that follows the segment's
+        # schedule included: the head's share of its gradient comes from the last backward.
+        self._head_grad_params = [p for p in module_params(self.parts.head(stage)) if p.requires_grad]
+        path.keep_head_input = self._splits_backward()
+        self._path = path
         self._active = self.wrap_active(path) if self.wrap_active is not None else path
         depth = stage.frozen_depth
         previous = self.stages[stage.index - 1].frozen_depth if stage.index > 0 else None
@@ -263,6 +279,34 @@ class StagedTrainer:
         self._applied = True
 
     # -- one step -----------------------------------------------------------------------------------
+
+    def _splits_backward(self) -> bool:
+        """Whether this stage's steps use _backward_head_last. Not for lw (no persistent head), nor with
+        checkpointing (the head units would be recomputed, and their BatchNorm statistics updated, once
+        more), nor under a distributed wrapper (its gradient reduction expects one backward per step)."""
+        return (self.head_grads_last and self.name == "segprop" and not self.parts.checkpointed
+                and self.wrap_active is None and bool(self._body_params) and bool(self._head_grad_params))
+
+    def _backward_head_last(self, loss: torch.Tensor, head_input: list[torch.Tensor]) -> None:
+        """loss.backward() in three parts, so that the head's parameter gradients do not exist while the
+        segment's activations do: (1) the gradient of the state entering the head units, keeping the
+        head's graph; (2) the segment's backward from there, which frees the segment's activations;
+        (3) the head's parameter gradients. Autograd computes in each part only what that part needs,
+        so the weight gradients are computed once and equal those of one backward (a tied parameter
+        gets its two shares in two accumulations: equal up to the order of one addition); the
+        activation-gradient ops of the head run twice. The head's saved activations live until (3).
+        `head_input` is emptied: the caller keeps no reference through the segment's backward."""
+        tensors = list(head_input)
+        head_input.clear()
+        grads = torch.autograd.grad(loss, tensors, retain_graph=True, allow_unused=True) if tensors else ()
+        reached = [(t, g) for t, g in zip(tensors, grads) if g is not None]
+        del tensors, grads
+        if not reached:  # nothing trainable before the head: one ordinary backward
+            loss.backward()
+            return
+        torch.autograd.backward([t for t, _ in reached], [g for _, g in reached])
+        del reached
+        loss.backward(inputs=self._head_grad_params)
 
     def frozen_state(self, batch: Batch) -> Any:
         """The committed prefix's output for `batch` (detached), from SnapCheck when it holds it."""
@@ -292,6 +336,8 @@ class StagedTrainer:
         for param in params:
             param.grad = None
         loss = self.forward_loss(batch)
+        if self._path is not None:
+            self._path.take_head_input()  # one ordinary backward here: no reference may outlive it
         loss.backward()
         grads = {}
         for param in params:
@@ -303,8 +349,14 @@ class StagedTrainer:
         self._require_open(optimizer)
         optimizer.zero_grad(set_to_none=True)
         loss = self.forward_loss(batch)
+        split = self._path is not None and self._path.keep_head_input
+        # Taken before anything can raise: a head input left on the path would keep the graph alive.
+        head_input = self._path.take_head_input() if split and self._path is not None else []
         require_finite(float(loss.detach()), "loss")
-        loss.backward()
+        if split:
+            self._backward_head_last(loss, head_input)
+        else:
+            loss.backward()
         self._update(optimizer)
         reduced = self.reduce_loss(loss.detach())
         if self.clock.tick(float(reduced)):
