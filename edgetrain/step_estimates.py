@@ -19,6 +19,9 @@ V the vocabulary, and T = one block's trainable bytes (its gradients, or mezo's 
   mezo  inference memory: the larger of the logits with their log-softmax (2 N V c) and one block's
         forward, plus T
 
+With a quantised base (edgetrain.models.quantized) each method's block term also holds the largest
+projection dequantised, and mesp's loss tile the head's dequantised 4096-row tile.
+
 Checked against tensor accounting of the real first steps (tests/test_step_estimates.py and the
 calibration behind it): fp32 and fp64 within 15% on the tiny preset and on SmolLM2-, Qwen2.5-0.5B- and
 other shapes at 64-512 tokens (Qwen2.5-0.5B's shape: 0-5%); bf16 within 25%. Other methods and other
@@ -35,6 +38,7 @@ from edgetrain.data.batch import Batch
 from edgetrain.methods.mesp.method import DEFAULT_ATTENTION_CHUNK, DEFAULT_LOSS_CHUNK, DEFAULT_MLP_CHUNK
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LoRALinear
+from edgetrain.models.quantized import QUANTIZED_HEADS, PackedMatrix, QuantizedEmbedding
 from edgetrain.precision import compute_dtype
 
 # mesp's loss tile: vocabulary entries per tile (edgetrain/methods/mesp/loss.py).
@@ -46,7 +50,8 @@ class _Shape:
 
     def __init__(self, model: nn.Module, batch: Batch) -> None:
         config: LlamaConfig = model.config
-        weight = model.embed.embed_tokens.weight
+        embedding = model.embed.embed_tokens
+        weight_dtype = embedding.dtype if isinstance(embedding, PackedMatrix) else embedding.weight.dtype
         self.batch, self.seq = batch.inputs.shape[0], batch.inputs.shape[-1]
         self.tokens = batch.inputs.numel()
         self.layers = len(model.blocks)
@@ -54,8 +59,16 @@ class _Shape:
         self.heads = config.num_attention_heads
         self.query = config.num_attention_heads * config.head_dim
         self.kv = config.num_key_value_heads * config.head_dim
-        self.element = weight.element_size()
-        self.loss_element = torch.empty((), dtype=compute_dtype(weight.dtype)).element_size()
+        self.element = torch.empty((), dtype=weight_dtype).element_size()
+        self.loss_element = torch.empty((), dtype=compute_dtype(weight_dtype)).element_size()
+        # A quantised base is dequantised one matrix at a time, in the compute dtype (plus the cast to a
+        # narrower model dtype): the largest block projection, and one vocabulary tile of the head.
+        dense_element = self.loss_element + (self.element if self.element != self.loss_element else 0)
+        quantized_blocks = any(isinstance(m, PackedMatrix) for m in model.blocks[0].modules())
+        self.dense_projection = (max(self.inner, self.query, self.kv) * self.hidden * dense_element
+                                 if quantized_blocks else 0)
+        self.quantized_head = isinstance(getattr(model.head, "lm_head", None), QUANTIZED_HEADS)
+        self.dense_head_tile = min(self.vocab, _MESP_VOCAB_CHUNK) * self.hidden * dense_element
         ranks = [module.rank for module in model.blocks[0].modules() if isinstance(module, LoRALinear)]
         self.ranks = sum(ranks)
         # The trainable parameters of one block: its gradients (or, for mezo, its perturbed copies).
@@ -82,13 +95,13 @@ class _Shape:
 def _bp(shape: _Shape) -> int:
     per_block = shape.tokens_times(4 * shape.hidden + 3 * shape.query + 2 * shape.kv + 4 * shape.inner
                                    + shape.ranks)
-    return shape.layers * per_block + shape.head + shape.block_trainable
+    return shape.layers * per_block + shape.head + shape.block_trainable + shape.dense_projection
 
 
 def _mebp(shape: _Shape) -> int:
     recomputed = shape.tokens_times(6 * shape.hidden + 3 * shape.query + 2 * shape.kv + 5 * shape.inner
                                     + shape.ranks)
-    return shape.block_inputs + max(shape.head, recomputed) + shape.block_trainable
+    return shape.block_inputs + max(shape.head, recomputed + shape.dense_projection) + shape.block_trainable
 
 
 def _mesp(shape: _Shape) -> int:
@@ -96,11 +109,14 @@ def _mesp(shape: _Shape) -> int:
     attention_rows = min(shape.seq, DEFAULT_ATTENTION_CHUNK)
     block = (shape.tokens_times(3 * shape.hidden + 2 * shape.query + 2 * shape.kv)
              + 4 * mlp_rows * shape.inner * shape.element
-             + shape.batch * shape.heads * attention_rows * shape.seq * shape.loss_element)
+             + shape.batch * shape.heads * attention_rows * shape.seq * shape.loss_element
+             + shape.dense_projection)
     loss_rows, vocab_rows = min(shape.tokens, DEFAULT_LOSS_CHUNK), min(shape.vocab, _MESP_VOCAB_CHUNK)
     loss = (loss_rows * (vocab_rows + 2 * shape.hidden) * shape.loss_element + shape.tokens_times(shape.hidden))
     if shape.upcast:  # the tile's logits in the weights' dtype beside their upcast copy, and the weight block's
         loss += loss_rows * vocab_rows * shape.element + vocab_rows * shape.hidden * shape.loss_element
+    if shape.quantized_head:  # the tile is dequantised, not a view of the weight
+        loss += shape.dense_head_tile
     return shape.block_inputs + max(block, loss) + shape.block_trainable
 
 
@@ -108,7 +124,7 @@ def _mezo(shape: _Shape) -> int:
     block = shape.tokens_times(3 * shape.hidden + shape.query + 2 * shape.kv + 3 * shape.inner)
     # The logits, (upcast for a low-precision model) and their log-softmax inside the cross-entropy.
     logits = shape.tokens * shape.vocab * (2 * shape.loss_element + (shape.element if shape.upcast else 0))
-    return max(logits, block) + shape.block_trainable
+    return max(logits, block + shape.dense_projection) + shape.block_trainable
 
 
 ESTIMATES: dict[str, Callable[[_Shape], int]] = {"bp": _bp, "mebp": _mebp, "mesp": _mesp, "mezo": _mezo}
@@ -119,7 +135,7 @@ def is_decoder(model: nn.Module) -> bool:
     blocks = getattr(model, "blocks", None)
     embedding = getattr(getattr(model, "embed", None), "embed_tokens", None)
     return (isinstance(getattr(model, "config", None), LlamaConfig) and isinstance(blocks, nn.ModuleList)
-            and len(blocks) > 0 and isinstance(embedding, nn.Embedding))
+            and len(blocks) > 0 and isinstance(embedding, (nn.Embedding, QuantizedEmbedding)))
 
 
 def estimate_step_bytes(model: nn.Module, batch: Batch, method: str) -> int | None:

@@ -10,6 +10,9 @@ edgetrain imported, nothing built; file-backed pages left out) plus the step's p
   mebp, fp32 base      autograd with per-block checkpointing, the MeSP paper's baseline
 
 plus, with --gguf (SmolLM2-135M by default), mesp on that GGUF with its Q4_1 blocks kept as stored.
+The floor is edgetrain's analytic step memory (edgetrain/step_estimates.py: stored block inputs, one
+block's working set or one loss tile, the dequantised matrix, the block's gradients); peak/floor is the
+probe's step peak over it.
 
   .venv/bin/python tools/bench_quantized.py                      # Qwen2.5-0.5B's shape, seq 256, LoRA r8
   .venv/bin/python tools/bench_quantized.py --model tiny --quick # a smoke run
@@ -59,10 +62,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.model}, seq {args.seq}, LoRA r8, torch-cpu; footprint = held above torch's runtime "
           f"({base['runtime_baseline_bytes'] / MIB:.0f} MiB) + the step's peak; ratios to mesp, fp32 base")
     print(f"{'arm':<36} {'weights MiB':>12} {'footprint MiB':>14} {'ratio':>6} {'step peak MiB':>14} "
-          f"{'s/step':>7} {'ratio':>6}")
+          f"{'floor MiB':>10} {'peak/floor':>10} {'s/step':>7} {'ratio':>6}")
     for name, record in records.items():
+        floor = record.get("estimate_bytes")
         print(f"{name:<36} {record['weights_bytes'] / MIB:>12.1f} {record['footprint_bytes'] / MIB:>14.1f} "
               f"{record['footprint_bytes'] / base['footprint_bytes']:>5.2f}x {record['peak_bytes_probe'] / MIB:>14.1f} "
+              f"{floor / MIB if floor else float('nan'):>10.1f} "
+              f"{record['peak_bytes_probe'] / floor if floor else float('nan'):>9.2f}x "
               f"{record['step_seconds']:>7.2f} {record['step_seconds'] / base['step_seconds']:>5.2f}x")
     mebp = records["mebp, fp32 base"]["footprint_bytes"]
     four = records["mesp, 4-bit base"]["footprint_bytes"]

@@ -32,7 +32,7 @@ class Backend:
     adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
     quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
     # (model, bits): quantise a loaded model's base; None where the loader does it (mlx: its own flag)
-    quantizer: str | None = "edgetrain.models.quantize:quantize_linears"
+    quantizer: str | None = "edgetrain.models.quantize:quantize_base"
     # (path, dtype, device): a GGUF with its 4/8-bit blocks kept as stored; None where that is the only way
     packed_gguf_loader: str | None = "edgetrain.models.gguf:load_packed_gguf"
     loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files

@@ -5,6 +5,7 @@ Only safetensors are read: no pickle, so a checkpoint from an untrusted source c
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -73,9 +74,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str,
-                 dtype: torch.dtype, key_map: Any = None) -> None:
+                 dtype: torch.dtype, key_map: Any = None, as_stored: Collection[str] = ()) -> None:
     """Assign checkpoint tensors to `model` (which may live on the meta device), strictly:
-    every parameter must be present with the right shape; unknown tensors are an error."""
+    every parameter must be present with the right shape; unknown tensors are an error. Floating-point
+    tensors are cast to `dtype`, except those named in `as_stored` (packed scales, kept exact)."""
     expected = model.state_dict(keep_vars=True)
     tied_aliases = _tied_aliases(model)
     state: dict[str, torch.Tensor] = {}
@@ -92,7 +94,7 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
         if expected[name].is_floating_point() and not tensor.is_floating_point():
             raise CheckpointError(f"{source}: tensor {key!r} holds {tensor.dtype} values; the model's weights "
                                   "are floating point")
-        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        state[name] = tensor.to(dtype) if tensor.is_floating_point() and key not in as_stored else tensor
     missing = [k for k in expected if k not in state and k not in tied_aliases]
     if missing:
         raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}"
@@ -108,7 +110,7 @@ def _tied_aliases(model: nn.Module) -> set[str]:
 
 def _retie(model: nn.Module) -> None:
     # assign=True replaced the embedding Parameter; the tied head must point at the new one.
-    if _tied_aliases(model):
+    if _tied_aliases(model) and isinstance(model.embed.embed_tokens, nn.Embedding):  # a packed one ties itself
         model.head.lm_head.weight = model.embed.embed_tokens.weight
 
 

@@ -90,9 +90,11 @@ class LoRALinear(nn.Module):
         self.rank = rank
         self.scale = alpha / rank
         self.dropout = dropout
-        # A quantised base (edgetrain.models.quantized) is all buffers; its scales carry the dtype.
-        like = base.scales if isinstance(base, QuantizedLinear) else base.weight
-        factory = dict(device=like.device, dtype=like.dtype)
+        # A quantised base (edgetrain.models.quantized) is all buffers, stored packed; it names its dtype.
+        if isinstance(base, QuantizedLinear):
+            factory = dict(device=base.device, dtype=base.dtype)
+        else:
+            factory = dict(device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **factory))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))

@@ -1,18 +1,20 @@
-"""Quantising a loaded decoder's frozen base: every block projection's nn.Linear becomes a QuantizedLinear
-(edgetrain.models.quantized), inside its LoRA wrapper when the model is adapted."""
+"""Quantising a loaded decoder's frozen base (edgetrain.models.quantized): the block projections' nn.Linear
+become QuantizedLinear (inside their LoRA wrappers when adapted), and with them the token embedding and
+the LM head, a tied head reading the embedding's packed table."""
 from __future__ import annotations
 
 from torch import nn
 
 from edgetrain.models.lora import LORA_TARGETS, LoRALinear
-from edgetrain.models.quantized import GROUP_SIZE, QuantizedLinear
+from edgetrain.models.quantized import (GROUP_SIZE, PackedMatrix, QuantizedEmbedding, QuantizedLinear,
+                                        TiedQuantizedHead)
 from edgetrain.registry import EdgetrainError
 
 
 def quantize_linears(model: nn.Module, bits: int, group_size: int = GROUP_SIZE) -> int:
     """Replace the base nn.Linear of every block projection of a decoder (inside its LoRA wrapper, when
     adapted) by a QuantizedLinear of `bits` bits; how many were replaced. Embedding, LM head and norms
-    stay dense: the head is tied to the embedding in small models, and MeSP's chunked loss slices its rows."""
+    are left as they are (quantize_base takes the embedding and head too)."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise EdgetrainError(f"quantize_linears: a {type(model).__name__} has no decoder blocks")
@@ -31,3 +33,34 @@ def quantize_linears(model: nn.Module, bits: int, group_size: int = GROUP_SIZE) 
             setattr(owner, attribute, QuantizedLinear.from_dense(linear.weight, bits, linear.bias, group_size))
             replaced += 1
     return replaced
+
+
+def quantize_embeddings(model: nn.Module, bits: int, group_size: int = GROUP_SIZE) -> int:
+    """Replace a decoder's token embedding and LM head by packed ones of `bits` bits (a tied head by a
+    TiedQuantizedHead over the packed embedding); how many matrices were packed (0, 1 or 2)."""
+    embed, head = getattr(model, "embed", None), getattr(model, "head", None)
+    table, lm_head = getattr(embed, "embed_tokens", None), getattr(head, "lm_head", None)
+    if table is None or lm_head is None:
+        raise EdgetrainError(f"quantize_embeddings: a {type(model).__name__} has no embed.embed_tokens and "
+                             "head.lm_head")
+    tied = type(lm_head) is nn.Linear and type(table) is nn.Embedding and lm_head.weight is table.weight
+    packed = 0
+    if type(table) is nn.Embedding:
+        embed.embed_tokens = table = QuantizedEmbedding.from_dense(table.weight, bits, group_size)
+        packed += 1
+    elif not isinstance(table, PackedMatrix):
+        raise EdgetrainError(f"quantize_embeddings: embed.embed_tokens is a {type(table).__name__}")
+    if tied:
+        head.lm_head = TiedQuantizedHead(table)
+    elif type(lm_head) is nn.Linear:
+        head.lm_head = QuantizedLinear.from_dense(lm_head.weight, bits, lm_head.bias, group_size)
+        packed += 1
+    elif not isinstance(lm_head, (QuantizedLinear, TiedQuantizedHead)):
+        raise EdgetrainError(f"quantize_embeddings: head.lm_head is a {type(lm_head).__name__}")
+    return packed
+
+
+def quantize_base(model: nn.Module, bits: int, group_size: int = GROUP_SIZE) -> int:
+    """The whole frozen base in `bits` bits: block projections, token embedding and LM head (norms and
+    projection biases stay in the model's dtype); how many matrices were packed."""
+    return quantize_linears(model, bits, group_size) + quantize_embeddings(model, bits, group_size)

@@ -1,21 +1,31 @@
-"""Frozen base weights kept in 4 or 8 bits on torch, dequantised one layer at a time.
+"""Frozen base weights kept in 4 or 8 bits on torch, dequantised one layer (or one tile of rows) at a time.
 
-A decoder's block projections are most of its memory. `QuantizedLinear` holds one as unsigned integers
-packed along each row (two 4-bit values a byte, or one 8-bit value), with a scale and a bias per group of
-`group_size` inputs: w = scale * q + bias, MLX's affine layout (edgetrain.models.gguf.packed). GGUF's
-Q4_0, Q4_1 and Q8_0 blocks map onto it exactly, so a GGUF model loads without requantising
-(`load_model(path.gguf, quantized=True)`); dense weights are quantised on load per group from their
-minimum and maximum (`load_model(..., quantize_bits=4)`, or edgetrain.models.quantize.quantize_linears(model, 4)).
+On a device the frozen weights are most of the footprint. A `PackedMatrix` holds a [rows, cols] matrix as
+unsigned integers packed along each row (two 4-bit values a byte, or one 8-bit value), with a scale and a
+bias per group of `group_size` columns: w = scale * q + bias, MLX's affine layout
+(edgetrain.models.gguf.packed). GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto it exactly, so a GGUF model loads
+without requantising (`load_model(path.gguf, quantized=True)`); dense weights are quantised on load per
+group from their minimum and maximum (`load_model(..., quantize_bits=4)`, edgetrain.models.quantize).
+
+Three modules use one: `QuantizedLinear` (a block projection, or an untied LM head), `QuantizedEmbedding`
+(the token table: a lookup dequantises only the rows it reads) and `TiedQuantizedHead` (an LM head that
+reads the embedding's packed table, as a tied nn.Linear shares the embedding's weight).
+
+Scales and biases are stored in float16: a GGUF's are float16 in the file, and a quantised-on-load group's
+are rounded to float16 before its integers are chosen (float32 where float16 cannot hold them). A dtype
+cast of the model (`.double()`, `.to(torch.bfloat16)`) moves them between devices but never rounds them;
+it sets the dtype the layer computes and returns in (`.dtype`). Dequantisation runs in float32 (float64
+for a float64 model), so a GGUF's weights come out exactly as ggml computes them.
 
 The dense weight exists only while one layer computes with it: the forward dequantises, multiplies and
 drops it; the backward (the weight is frozen, so only dL/dx = dL/dy W is needed) dequantises it again
-rather than keeping it from the forward. `mesp` takes the same path through `LinearWeights.dense_weight`,
-in its recompute and in its backward. LoRA and gradients stay in the training dtype. Gradients equal
-autograd through the dequantised weights (tests/models/test_quantized.py).
+rather than keeping it from the forward. A large matrix (the LM head) is dequantised in tiles of rows.
+`mesp` takes the same path through `LinearWeights.dense_weight` and reads the head a tile at a time.
+Gradients equal autograd through the dequantised weights (tests/models/test_quantized.py).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -25,68 +35,194 @@ from edgetrain.registry import EdgetrainError
 
 GROUP_SIZE = 32
 SUPPORTED_BITS = (4, 8)
+STORAGE_DTYPE = torch.float16
+# A matrix of more elements than this is dequantised in tiles of rows (32 MiB of float32 each): block
+# projections in one piece, an LM head of a 150k vocabulary in ~17.
+TILE_ELEMENTS = 1 << 23
 
 
-class QuantizedMatmul(torch.autograd.Function):
-    """x W^T with W dequantised from `layer` in the forward and again in the backward (never saved)."""
+class PackedMatrix(nn.Module):
+    """A frozen [rows, cols] matrix held packed (see the module docstring). Its tensors are buffers:
+    nothing here trains."""
 
-    @staticmethod
-    def forward(x: torch.Tensor, layer: "QuantizedLinear") -> torch.Tensor:
-        return x @ layer.dequantize(x.dtype, x.device).T
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.layer = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad_output @ ctx.layer.dequantize(grad_output.dtype, grad_output.device), None
-
-    @staticmethod
-    def jvp(ctx: Any, x_tangent: torch.Tensor, _: Any) -> torch.Tensor:
-        return x_tangent @ ctx.layer.dequantize(x_tangent.dtype, x_tangent.device).T
-
-
-class QuantizedLinear(nn.Module):
-    """A frozen y = x W^T (+ b) whose W is held packed (see the module docstring). Its tensors are buffers:
-    nothing here trains. `weight` gives the dequantised matrix for code that reads it (an export, a merge);
-    the forward never holds it longer than one product."""
-
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int = GROUP_SIZE,
-                 bias: bool = False, device: Any = None) -> None:
+    def __init__(self, rows: int, cols: int, bits: int, group_size: int = GROUP_SIZE, device: Any = None,
+                 dtype: torch.dtype = torch.float32, storage_dtype: torch.dtype = STORAGE_DTYPE) -> None:
         super().__init__()
         if bits not in SUPPORTED_BITS:
             raise EdgetrainError(f"quantised weights take {' or '.join(map(str, SUPPORTED_BITS))} bits, not {bits!r}")
-        if group_size <= 0 or in_features % group_size:
-            raise EdgetrainError(f"a layer of {in_features} inputs cannot be cut into groups of {group_size}")
-        self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, group_size
-        groups = in_features // group_size
-        self.register_buffer("codes", torch.zeros(out_features, in_features * bits // 8, dtype=torch.uint8,
-                                                  device=device))
-        self.register_buffer("scales", torch.zeros(out_features, groups, device=device))
-        self.register_buffer("biases", torch.zeros(out_features, groups, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        if group_size <= 0 or cols % group_size or (bits == 4 and group_size % 2):
+            raise EdgetrainError(f"a layer of {cols} inputs cannot be cut into groups of {group_size}")
+        self.rows, self.cols, self.bits, self.group_size = rows, cols, bits, group_size
+        groups = cols // group_size
+        self.register_buffer("codes", torch.zeros(rows, cols * bits // 8, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.zeros(rows, groups, dtype=storage_dtype, device=device))
+        self.register_buffer("biases", torch.zeros(rows, groups, dtype=storage_dtype, device=device))
+        # Empty: it carries the dtype the layer computes in through .to() / .double() like any float tensor.
+        self.register_buffer("_dtype_marker", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype this layer computes in and returns (the model's), not the packed storage's."""
+        return self._dtype_marker.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "PackedMatrix":
+        # A model-wide dtype cast must not round the stored scales (float16 -> bfloat16 loses bits): keep
+        # their dtype, follow only the device. The marker takes the new dtype.
+        stored = {name: getattr(self, name) for name in ("scales", "biases")}
+        super()._apply(fn, recurse)
+        for name, original in stored.items():
+            applied = getattr(self, name)
+            if applied.dtype != original.dtype:
+                setattr(self, name, original.to(applied.device))
+        return self
+
+    def _work_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        wanted = self.dtype if dtype is None else dtype
+        return torch.float64 if torch.float64 in (wanted, self.scales.dtype) else torch.float32
+
+    def _dequantize_packed(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                           dtype: torch.dtype | None) -> torch.Tensor:
+        """Dense rows from packed ones: one buffer, filled with the integers and scaled in place."""
+        work = self._work_dtype(dtype)
+        rows = codes.shape[0]
+        dense = torch.empty(rows, self.cols, dtype=work, device=codes.device)
+        if self.bits == 4:  # byte i holds columns 2i (low nibble) and 2i + 1 (high nibble)
+            pairs = dense.view(rows, self.cols // 2, 2)
+            pairs[..., 0].copy_(codes & 0x0F)
+            pairs[..., 1].copy_(codes >> 4)
+        else:
+            dense.copy_(codes)
+        grouped = dense.view(rows, -1, self.group_size)
+        grouped.mul_(scales.to(work).unsqueeze(-1)).add_(biases.to(work).unsqueeze(-1))
+        wanted = self.dtype if dtype is None else dtype
+        return dense if wanted == work else dense.to(wanted)
+
+    def dequantize(self, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        """The whole dense [rows, cols] matrix in `dtype` (the layer's by default)."""
+        return self.dequantize_rows(0, self.rows, dtype, device)
+
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
+                        device: Any = None) -> torch.Tensor:
+        """Dense rows [start, stop)."""
+        move = (lambda t: t) if device is None else (lambda t: t.to(device))  # noqa: E731
+        return self._dequantize_packed(move(self.codes[start:stop]), move(self.scales[start:stop]),
+                                       move(self.biases[start:stop]), dtype)
+
+    def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dense rows `indices` (any shape of integers): [*indices.shape, cols]."""
+        flat = indices.reshape(-1)
+        dense = self._dequantize_packed(self.codes[flat], self.scales[flat], self.biases[flat], dtype)
+        return dense.view(*indices.shape, self.cols)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised matrix, for code that reads a weight (an export, an estimate): built on each read."""
+        return self.dequantize()
+
+    def packed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.biases))
+
+    def fill_from_dense(self, weight: torch.Tensor) -> None:
+        """Quantise a dense [rows, cols] weight into this matrix per group: bias = the group's minimum,
+        scale = its range / (2**bits - 1), both rounded to the storage dtype first, then
+        q = round((w - bias) / scale). Every weight is then within half a step (plus the rounding of the
+        minimum) of its value; a constant group is exact when its value is a float16."""
+        if tuple(weight.shape) != (self.rows, self.cols):
+            raise EdgetrainError(f"cannot quantise a {tuple(weight.shape)} weight into a ({self.rows}, {self.cols}) "
+                                 "packed matrix")
+        if not torch.isfinite(weight).all():
+            raise EdgetrainError("cannot quantise a weight that holds NaN or infinite values")
+        levels = 2 ** self.bits - 1
+        work = weight.detach().to(torch.float32).reshape(self.rows, -1, self.group_size)
+        low = work.amin(dim=-1)
+        scale = (work.amax(dim=-1) - low) / levels
+        storage = STORAGE_DTYPE
+        if not (torch.isfinite(low.to(storage)).all() and torch.isfinite(scale.to(storage)).all()):
+            storage = torch.float32  # beyond float16's range
+        low, scale = low.to(storage).to(torch.float32), scale.to(storage).to(torch.float32)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((work - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, levels).to(torch.uint8)
+        q = q.reshape(self.rows, self.cols)
+        self.codes = (q[:, 0::2] | (q[:, 1::2] << 4) if self.bits == 4 else q).contiguous()
+        self.scales, self.biases = scale.to(storage), low.to(storage)
+
+    def fill_from_packed(self, packed: Any) -> None:
+        """From an edgetrain.models.gguf.packed.PackedWeight (GGUF blocks, moved, not requantised; its
+        float16 scales and biases stay exact)."""
+        codes = np.ascontiguousarray(packed.weight).view(np.uint8)  # little-endian words -> their bytes
+        if codes.shape != tuple(self.codes.shape) or packed.bits != self.bits:
+            raise EdgetrainError(f"packed weight of {codes.shape} bytes, {packed.bits} bits does not fit a "
+                                 f"{tuple(self.codes.shape)}, {self.bits}-bit matrix")
+        scales = np.asarray(packed.scales, dtype=np.float32)
+        biases = np.asarray(packed.biases, dtype=np.float32)
+        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, biases))
+        storage = STORAGE_DTYPE if exact else torch.float32
+        self.codes = torch.from_numpy(codes.copy())
+        self.scales = torch.from_numpy(scales).to(storage)
+        self.biases = torch.from_numpy(biases).to(storage)
+
+
+class QuantizedMatmul(torch.autograd.Function):
+    """x W^T with W dequantised from `matrix` in the forward and again in the backward (never saved), a
+    tile of rows at a time when it is large."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, matrix: PackedMatrix) -> torch.Tensor:
+        return _times_transposed(x, matrix)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.matrix = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        matrix: PackedMatrix = ctx.matrix
+        step = _tile_rows(matrix)
+        grad_x = None
+        for start in range(0, matrix.rows, step):
+            stop = min(start + step, matrix.rows)
+            tile = matrix.dequantize_rows(start, stop, grad_output.dtype, grad_output.device)
+            part = grad_output[..., start:stop] @ tile
+            grad_x = part if grad_x is None else grad_x.add_(part)
+        return grad_x, None
+
+    @staticmethod
+    def jvp(ctx: Any, x_tangent: torch.Tensor, _: Any) -> torch.Tensor:
+        return _times_transposed(x_tangent, ctx.matrix)
+
+
+def _tile_rows(matrix: PackedMatrix) -> int:
+    return max(1, min(matrix.rows, TILE_ELEMENTS // max(1, matrix.cols)))
+
+
+def _times_transposed(x: torch.Tensor, matrix: PackedMatrix) -> torch.Tensor:
+    step = _tile_rows(matrix)
+    if step >= matrix.rows:
+        return x @ matrix.dequantize(x.dtype, x.device).T
+    out = x.new_empty(*x.shape[:-1], matrix.rows)
+    for start in range(0, matrix.rows, step):
+        stop = min(start + step, matrix.rows)
+        out[..., start:stop] = x @ matrix.dequantize_rows(start, stop, x.dtype, x.device).T
+    return out
+
+
+class QuantizedLinear(PackedMatrix):
+    """A frozen y = x W^T (+ b) whose W [out_features, in_features] is held packed."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int = GROUP_SIZE,
+                 bias: bool = False, device: Any = None, dtype: torch.dtype = torch.float32,
+                 storage_dtype: torch.dtype = STORAGE_DTYPE) -> None:
+        super().__init__(out_features, in_features, bits, group_size, device, dtype, storage_dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
-
-    def dequantize(self, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
-        """The dense [out, in] weight: scale * q + bias per group, computed in the scales' dtype."""
-        codes = self.codes if device is None else self.codes.to(device)
-        if self.bits == 4:  # byte i holds inputs 2i (low nibble) and 2i + 1 (high nibble)
-            q = torch.stack((codes & 0x0F, codes >> 4), dim=-1).reshape(self.out_features, self.in_features)
-        else:
-            q = codes
-        scales = self.scales if device is None else self.scales.to(device)
-        biases = self.biases if device is None else self.biases.to(device)
-        grouped = q.reshape(self.out_features, -1, self.group_size).to(scales.dtype)
-        weight = (grouped * scales.unsqueeze(-1) + biases.unsqueeze(-1)).reshape(self.out_features, self.in_features)
-        return weight if dtype is None else weight.to(dtype)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = QuantizedMatmul.apply(x, self)
@@ -96,12 +232,9 @@ class QuantizedLinear(nn.Module):
     def from_packed(cls, packed: Any, bias: torch.Tensor | None = None,
                     dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
         """From an edgetrain.models.gguf.packed.PackedWeight (GGUF blocks, moved, not requantised)."""
-        rows = packed.weight.shape[0]
-        codes = np.ascontiguousarray(packed.weight).view(np.uint8)  # little-endian words -> their bytes
-        layer = cls(codes.shape[1] * 8 // packed.bits, rows, packed.bits, packed.group_size, bias is not None)
-        layer.codes = torch.from_numpy(codes.copy())
-        layer.scales = torch.from_numpy(np.asarray(packed.scales, dtype=np.float32)).to(dtype)
-        layer.biases = torch.from_numpy(np.asarray(packed.biases, dtype=np.float32)).to(dtype)
+        rows, words = packed.weight.shape
+        layer = cls(words * 32 // packed.bits, rows, packed.bits, packed.group_size, bias is not None, dtype=dtype)
+        layer.fill_from_packed(packed)
         if bias is not None:
             layer.bias = bias.detach().to(dtype).clone()
         return layer
@@ -109,26 +242,89 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
                    group_size: int = GROUP_SIZE) -> "QuantizedLinear":
-        """Quantise a dense [out, in] weight per group of `group_size` inputs: bias = the group's minimum,
-        scale = its range / (2**bits - 1), q = round((w - bias) / scale); a constant group is exact."""
+        """Quantise a dense [out, in] weight per group of `group_size` inputs (PackedMatrix.fill_from_dense)."""
         out_features, in_features = weight.shape
-        layer = cls(in_features, out_features, bits, group_size, bias is not None, device=weight.device)
-        if not torch.isfinite(weight).all():
-            raise EdgetrainError("cannot quantise a weight that holds NaN or infinite values")
-        work = weight.detach().to(torch.float32).reshape(out_features, -1, group_size)
-        low = work.amin(dim=-1)
-        scale = (work.amax(dim=-1) - low) / (2 ** bits - 1)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((work - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 2 ** bits - 1).to(torch.uint8)
-        q = q.reshape(out_features, in_features)
-        layer.codes = q[:, 0::2] | (q[:, 1::2] << 4) if bits == 4 else q.contiguous()
         dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        layer.scales, layer.biases = scale.to(dtype), low.to(dtype)
+        layer = cls(in_features, out_features, bits, group_size, bias is not None, device=weight.device, dtype=dtype)
+        layer.fill_from_dense(weight)
         if bias is not None:
             layer.bias = bias.detach().clone()
         return layer
 
 
+class QuantizedEmbedding(PackedMatrix):
+    """A frozen token table [num_embeddings, embedding_dim] held packed; a lookup dequantises only the
+    rows it reads."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, group_size: int = GROUP_SIZE,
+                 device: Any = None, dtype: torch.dtype = torch.float32,
+                 storage_dtype: torch.dtype = STORAGE_DTYPE) -> None:
+        super().__init__(num_embeddings, embedding_dim, bits, group_size, device, dtype, storage_dtype)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, group_size={self.group_size}"
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if token_ids.dtype not in (torch.int32, torch.int64):
+            raise EdgetrainError(f"token ids must be integers, not {token_ids.dtype}")
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.num_embeddings):
+            raise EdgetrainError(f"token ids must lie in [0, {self.num_embeddings}); got "
+                                 f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+        return self.dequantize_gathered(token_ids)
+
+    @classmethod
+    def from_packed(cls, packed: Any, dtype: torch.dtype = torch.float32) -> "QuantizedEmbedding":
+        rows, words = packed.weight.shape
+        table = cls(rows, words * 32 // packed.bits, packed.bits, packed.group_size, dtype=dtype)
+        table.fill_from_packed(packed)
+        return table
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, bits: int, group_size: int = GROUP_SIZE) -> "QuantizedEmbedding":
+        rows, cols = weight.shape
+        dtype = weight.dtype if weight.is_floating_point() else torch.float32
+        table = cls(rows, cols, bits, group_size, device=weight.device, dtype=dtype)
+        table.fill_from_dense(weight)
+        return table
+
+
+class TiedQuantizedHead(nn.Module):
+    """An LM head y = x E^T over a QuantizedEmbedding's packed table E (tied word embeddings). The table is
+    referenced, not registered: it is stored, moved and cast once, as the embedding's, and a deepcopy of
+    the model keeps the two tied."""
+
+    def __init__(self, embedding: QuantizedEmbedding) -> None:
+        super().__init__()
+        self.__dict__["table"] = embedding  # not a submodule: see the class docstring
+        self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
+        self.bias = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.dequantize()
+
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
+                        device: Any = None) -> torch.Tensor:
+        return self.table.dequantize_rows(start, stop, dtype, device)
+
+    def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.table.dequantize_gathered(indices, dtype)
+
+    def extra_repr(self) -> str:
+        return f"tied to the {self.out_features}-row quantised embedding"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantizedMatmul.apply(x, self.table)
+
+
+QUANTIZED_HEADS = (QuantizedLinear, TiedQuantizedHead)
+
+
 def is_quantized(module: nn.Module) -> bool:
     """Whether any layer of `module` holds quantised weights."""
-    return any(isinstance(m, QuantizedLinear) for m in module.modules())
+    return any(isinstance(m, PackedMatrix) for m in module.modules())

@@ -3,6 +3,7 @@ and every LoRA method's gradients equal to autograd through the dequantised weig
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -12,25 +13,35 @@ from torch import nn
 import edgetrain
 from edgetrain.methods import METHODS
 from edgetrain.models.lora import LoRALinear
-from edgetrain.models.quantize import quantize_linears
-from edgetrain.models.quantized import QuantizedLinear, is_quantized
+from edgetrain.models.quantize import quantize_base, quantize_linears
+from edgetrain.models.quantized import QuantizedEmbedding, QuantizedLinear, TiedQuantizedHead, is_quantized
 from edgetrain.registry import EdgetrainError
 
 
 def _dense_twin(model: nn.Module) -> nn.Module:
-    """The same model with every QuantizedLinear replaced by an nn.Linear holding its dequantised weight."""
+    """The same model with every packed matrix replaced by its dense module holding the dequantised weight
+    (a tied quantised head tied to the dense embedding again)."""
     twin = copy.deepcopy(model)
     for module in list(twin.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, QuantizedLinear):
                 dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                dense = dense.to(child.scales.dtype)
+                dense = dense.to(child.dtype)
                 with torch.no_grad():
                     dense.weight.copy_(child.dequantize())
                     if child.bias is not None:
                         dense.bias.copy_(child.bias)
                 dense.requires_grad_(False)
                 setattr(module, name, dense)
+            elif isinstance(child, QuantizedEmbedding):
+                dense = nn.Embedding(child.num_embeddings, child.embedding_dim).to(child.dtype)
+                with torch.no_grad():
+                    dense.weight.copy_(child.dequantize())
+                dense.requires_grad_(False)
+                setattr(module, name, dense)
+    if isinstance(twin.head.lm_head, TiedQuantizedHead):
+        twin.head.lm_head = nn.Linear(twin.config.hidden_size, twin.config.vocab_size, bias=False)
+        twin.head.lm_head.weight = twin.embed.embed_tokens.weight
     return twin
 
 
@@ -138,3 +149,107 @@ def test_smollm2_q4_1_kept_packed_gives_the_dequantised_logits_in_a_third_of_the
     ids = torch.from_numpy(np.arange(1, 33).reshape(1, 32))
     with torch.no_grad():
         torch.testing.assert_close(kept(ids), dense(ids), rtol=0, atol=0)
+
+
+def _untied_tiny() -> nn.Module:
+    from edgetrain.models.llama import LlamaConfig, LlamaModel
+
+    config = dataclasses.replace(edgetrain.load_model("tiny").config, tie_word_embeddings=False)
+    model = LlamaModel(config)
+    model.init_weights(seed=3)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantize_base_packs_the_embedding_and_head_and_a_tied_head_reads_the_embeddings_table(tied):
+    torch.manual_seed(0)
+    model = edgetrain.load_model("tiny") if tied else _untied_tiny()
+    dense = copy.deepcopy(model)
+    assert quantize_base(model, 8) == 7 * len(model.blocks) + (1 if tied else 2)
+    table, head = model.embed.embed_tokens, model.head.lm_head
+    assert isinstance(table, QuantizedEmbedding)
+    assert isinstance(head, TiedQuantizedHead if tied else QuantizedLinear)
+    if tied:
+        assert head.table is table and not list(head.buffers())  # one table, held once
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(table(ids), table.dequantize()[ids], rtol=0, atol=0)
+    step = table.scales.float().repeat_interleave(32, dim=1)
+    assert ((table.dequantize() - dense.embed.embed_tokens.weight).abs() <= step / 2 + 1e-3).all()
+    x = torch.randn(2, 9, model.config.hidden_size)
+    torch.testing.assert_close(head(x), x @ head.weight.T, rtol=1e-6, atol=1e-6)
+    twin = copy.deepcopy(model)
+    if tied:
+        assert twin.head.lm_head.table is twin.embed.embed_tokens
+    with pytest.raises(EdgetrainError, match=r"token ids must lie in \[0, 256\)"):
+        table(torch.tensor([[0, 256]]))
+
+
+def test_large_matrices_are_dequantised_in_tiles_with_the_same_product_gradient_and_jvp(monkeypatch):
+    import edgetrain.models.quantized as quantized
+
+    weight = torch.randn(40, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    layer = QuantizedLinear.from_dense(weight, 4).double()
+    x = torch.randn(3, 5, 64, dtype=torch.float64, requires_grad=True)
+    tangent = torch.randn_like(x)
+    whole = layer(x)
+    (whole_grad,) = torch.autograd.grad(whole.square().sum(), x)
+    _, whole_jvp = torch.func.jvp(layer, (x.detach(),), (tangent,))
+    seen = []
+    original = quantized.PackedMatrix.dequantize_rows
+    monkeypatch.setattr(quantized, "TILE_ELEMENTS", 64 * 7)  # 7 rows a tile: 6 tiles, the last short
+    monkeypatch.setattr(quantized.PackedMatrix, "dequantize_rows",
+                        lambda self, start, stop, *a: seen.append(stop - start) or original(self, start, stop, *a))
+    tiled = layer(x)
+    (tiled_grad,) = torch.autograd.grad(tiled.square().sum(), x)
+    _, tiled_jvp = torch.func.jvp(layer, (x.detach(),), (tangent,))
+    assert max(seen) == 7 and 40 % 7 in seen
+    for got, want in [(tiled, whole), (tiled_grad, whole_grad), (tiled_jvp, whole_jvp)]:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_dtype_cast_sets_the_compute_dtype_and_never_rounds_the_stored_scales():
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_dense(torch.randn(16, 64) * 3, 4)
+    assert layer.scales.dtype == torch.float16 and layer.dtype == torch.float32
+    scales, reference = layer.scales.clone(), layer.dequantize()
+    layer.to(torch.bfloat16)
+    assert layer.dtype == torch.bfloat16 and layer.scales.dtype == torch.float16
+    assert torch.equal(layer.scales, scales)
+    assert layer.dequantize().dtype == torch.bfloat16
+    torch.testing.assert_close(layer.dequantize(torch.float32), reference, rtol=0, atol=0)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+    layer.double()
+    assert layer.dequantize().dtype == torch.float64 and torch.equal(layer.dequantize().float(), reference)
+
+
+def test_scales_beyond_float16s_range_are_kept_in_float32():
+    weight = torch.randn(4, 32) * 1e6
+    layer = QuantizedLinear.from_dense(weight, 8)
+    assert layer.scales.dtype == torch.float32
+    step = layer.scales.repeat_interleave(32, dim=1)
+    assert ((layer.dequantize() - weight).abs() <= step / 2 * 1.001).all()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_gguf_keeps_its_embedding_and_head_packed_with_the_dense_logits(tmp_path, tied):
+    from gguf_testkit import Q, hf_model, write_gguf
+
+    path = write_gguf(tmp_path / "model.gguf", hf_model("llama", tie=tied), Q.Q8_0)
+    kept = edgetrain.load_model(str(path), quantized=True)
+    dense = edgetrain.load_model(str(path))
+    assert isinstance(kept.embed.embed_tokens, QuantizedEmbedding) and kept.embed.embed_tokens.bits == 8
+    assert isinstance(kept.head.lm_head, TiedQuantizedHead if tied else QuantizedLinear)
+    assert kept.embed.embed_tokens.scales.dtype == torch.float16  # the file's f16 scales, exact
+    ids = torch.randint(0, dense.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids), dense(ids), rtol=0, atol=0)
+    edgetrain.add_lora(kept, rank=4)
+    edgetrain.add_lora(dense, rank=4)
+    dense.load_state_dict({k: v for k, v in kept.state_dict().items() if "lora" in k}, strict=False)
+    batch = edgetrain.data.batch.Batch(ids[:, :-1], ids[:, 1:])
+    loss, grads = METHODS.get("mesp")(kept).gradients(batch)
+    reference_loss, reference = METHODS.get("bp")(dense).gradients(batch)
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=0)
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-4, atol=1e-6)

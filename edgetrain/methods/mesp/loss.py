@@ -13,6 +13,8 @@ slower than autograd's two full matmuls despite never holding the logits.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from edgetrain.losses import IGNORE_INDEX
@@ -23,13 +25,15 @@ from edgetrain.methods.mesp.ops import compute_dtype, rms_norm_backward, rms_nor
 DEFAULT_VOCAB_CHUNK = 4096
 
 
-def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_weight: torch.Tensor,
+def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_weight: torch.Tensor | Any,
                     targets: torch.Tensor, chunk: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-token cross-entropy of lm_head(rms_norm(hidden)) against `targets` (aligned with
     the positions; IGNORE_INDEX = -100 positions carry no loss), and dL/dhidden.
 
-    hidden [B, T, D] or [N, D]; lm_weight [vocab, D] (tied or not: it is only read); targets of the
+    hidden [B, T, D] or [N, D]; lm_weight [vocab, D] (tied or not: it is only read), or a quantised head
+    (edgetrain.models.quantized: QuantizedLinear, TiedQuantizedHead) dequantised one tile of rows at a
+    time; targets of the
     same leading shape. Equals edgetrain.losses.lm_loss: fp32 softmax, mean over valid tokens.
     `chunk` tokens x `vocab_chunk` vocabulary entries is the largest temporary.
     Returns (loss as a 0-dim tensor, fp32 -- fp64 for fp64 inputs --, dL/dhidden shaped and typed
@@ -46,7 +50,7 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     num_valid = valid.sum()
     # 1/N as a tensor: no host sync, and 0 valid tokens give nan as F.cross_entropy does.
     inverse_count = num_valid.to(work).reciprocal()
-    vocab_size = lm_weight.shape[0]
+    vocab_size, weight_rows, gather_rows = _row_readers(lm_weight, dtype)
     loss_sum = torch.zeros((), dtype=torch.float64, device=hidden.device)
     grad_hidden = torch.empty_like(flat_hidden)
     for start in range(0, flat_hidden.shape[0], chunk):
@@ -63,7 +67,7 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         other_exp_sum = torch.zeros_like(running_max)
         other_weighted_rows = torch.zeros(rows, hidden.shape[-1], dtype=work, device=hidden.device)
         for vocab_start in range(0, vocab_size, vocab_chunk):
-            weight_block = lm_weight[vocab_start:vocab_start + vocab_chunk]
+            weight_block = weight_rows(vocab_start, min(vocab_start + vocab_chunk, vocab_size))
             logits = normed @ weight_block.t()
             if logits.dtype != work:  # lm_loss upcasts the model's logits the same way
                 logits = logits.to(work)
@@ -91,10 +95,19 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         loss_sum += torch.where(chunk_valid.unsqueeze(1), token_loss, 0).sum(dtype=torch.float64)
         # dL/dnormed = (softmax W - W[target]) / N on valid rows, 0 on ignored ones.
         row_weight = chunk_valid.to(work).mul_(inverse_count).unsqueeze(1)
-        target_rows = lm_weight[safe_targets.squeeze(1)].to(work)
+        target_rows = gather_rows(safe_targets.squeeze(1)).to(work)
         grad_normed = other_weighted_rows.sub_(target_rows.mul_(other_exp_sum))
         grad_normed = grad_normed.mul_(row_weight / exp_sum).to(dtype)
         del other_weighted_rows, target_rows, normed
         grad_hidden[start:stop] = rms_norm_backward(hidden_chunk, norm_weight, eps, grad_normed)
     loss = (loss_sum / num_valid).to(work)
     return loss, grad_hidden.view(hidden.shape)
+
+
+def _row_readers(lm_weight: torch.Tensor | Any, dtype: torch.dtype
+                 ) -> tuple[int, Callable[[int, int], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(vocabulary size, rows [start, stop), rows at indices) of a dense weight or a quantised head."""
+    if isinstance(lm_weight, torch.Tensor):
+        return lm_weight.shape[0], lambda start, stop: lm_weight[start:stop], lambda rows: lm_weight[rows]
+    return (lm_weight.out_features, lambda start, stop: lm_weight.dequantize_rows(start, stop, dtype),
+            lambda rows: lm_weight.dequantize_gathered(rows, dtype))

@@ -29,6 +29,7 @@ from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_for
 from edgetrain.methods.mesp.loss import chunked_lm_loss
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
 from edgetrain.models.lora import LoRALinear
+from edgetrain.models.quantized import QUANTIZED_HEADS, QuantizedEmbedding
 from edgetrain.methods.options import flag_option, positive_int_option
 from edgetrain.registry import EdgetrainError
 
@@ -50,7 +51,7 @@ def check_decoder(model: nn.Module) -> None:
     problems = []
     if not isinstance(getattr(model, "config", None), LlamaConfig):
         problems.append("no LlamaConfig in model.config")
-    if not isinstance(getattr(getattr(model, "embed", None), "embed_tokens", None), nn.Embedding):
+    if not isinstance(getattr(getattr(model, "embed", None), "embed_tokens", None), (nn.Embedding, QuantizedEmbedding)):
         problems.append("no token embedding at model.embed.embed_tokens")
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList) or not all(isinstance(b, DecoderBlock) for b in blocks):
@@ -59,8 +60,8 @@ def check_decoder(model: nn.Module) -> None:
     if not isinstance(getattr(head, "norm", None), RMSNorm):
         problems.append("no final RMSNorm at model.head.norm")
     lm_head = getattr(head, "lm_head", None)
-    if type(lm_head) is not nn.Linear or lm_head.bias is not None:
-        problems.append("model.head.lm_head is not a bias-free nn.Linear")
+    if not (type(lm_head) is nn.Linear or isinstance(lm_head, QUANTIZED_HEADS)) or lm_head.bias is not None:
+        problems.append("model.head.lm_head is not a bias-free nn.Linear (or a quantised one)")
     if problems:
         raise EdgetrainError(f"mesp works on LlamaModel-style decoders (edgetrain.models.llama); "
                              f"{type(model).__name__} does not fit: {'; '.join(problems)}. "
@@ -171,7 +172,8 @@ class StructuredBackprop:
             block_inputs.append(hidden)
             hidden = block_forward(block_weights, hidden, rope, **chunks)
         head = model.head
-        loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps, head.lm_head.weight,
+        lm_weight = head.lm_head.weight if type(head.lm_head) is nn.Linear else head.lm_head  # read in tiles
+        loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps, lm_weight,
                                      batch.targets, self.loss_chunk)
         if require_finite_loss:
             require_finite(float(loss), "loss")

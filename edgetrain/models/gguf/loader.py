@@ -131,45 +131,57 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     """A llama / qwen2 decoder from a GGUF file, weights dequantised to `dtype` on `device`. The file's
     byte-level BPE vocabulary, when it has one, becomes `model.tokenizer` (read with model_tokenizer).
 
-    `quantized=True` keeps the block projections stored as Q4_0, Q4_1 or Q8_0 packed, as QuantizedLinear
-    (edgetrain.models.quantized: the file's integers and scales, not requantised); the rest is dense."""
+    `quantized=True` keeps every matrix stored as Q4_0, Q4_1 or Q8_0 packed (edgetrain.models.quantized:
+    the file's integers and scales, not requantised): block projections as QuantizedLinear, the token
+    embedding as QuantizedEmbedding and the LM head as a QuantizedLinear, or, tied, a TiedQuantizedHead
+    over the embedding. Norms and matrices stored in other types are dense."""
     gguf = read_gguf(path)
     config = config_from_metadata(gguf)
     with torch.device("meta"):  # no random init: every weight is assigned from the file
         model = LlamaModel(config)
     tensors: dict[str, torch.Tensor] = {}
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
+    packed_embedding = False
     for gguf_name, (target, info) in plan_tensors(gguf, config, expected).items():
         if quantized and _install_packed(model, gguf, info, target, config, gguf_name, dtype, tensors):
+            packed_embedding |= target == _EMBEDDING
             continue
         tensor = read_tensor(gguf, info)
         heads = rope_heads(config, gguf_name)
         if heads is not None:
             tensor = unpermute_rope_rows(tensor, heads)
         tensors[target] = tensor.to(dtype)
-    load_weights(model, tensors, str(gguf.path), dtype)
+    if packed_embedding and config.tie_word_embeddings:
+        from edgetrain.models.quantized import TiedQuantizedHead
+        # It reads the embedding module's table, whatever tensors loading assigns to it.
+        model.head.lm_head = TiedQuantizedHead(model.embed.embed_tokens)
+    packed_tensors = [name for name in tensors if name.endswith((".scales", ".biases"))]
+    load_weights(model, tensors, str(gguf.path), dtype, as_stored=packed_tensors)
+    _realise_dtype_markers(model, dtype)
     attach_gguf_tokenizer(gguf, model)
     return model.to(device)
 
 
 def load_packed_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
                      device: torch.device | str = "cpu") -> LlamaModel:
-    """load_gguf(..., quantized=True): the block projections stored as Q4_0, Q4_1 or Q8_0 kept packed."""
+    """load_gguf(..., quantized=True): matrices stored as Q4_0, Q4_1 or Q8_0 kept packed."""
     return load_gguf(path, dtype=dtype, device=device, quantized=True)
 
 
 _PROJECTION = re.compile(r"(blocks\.\d+\.(?:self_attn|mlp)\.[a-z_]+_proj)\.weight")
+_EMBEDDING, _HEAD = "embed.embed_tokens.weight", "head.lm_head.weight"
 
 
 def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target: str, config: LlamaConfig,
                     gguf_name: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> bool:
-    """Put a QuantizedLinear shell (meta device) where a packable block projection is, and its packed
-    tensors into `tensors` for load_weights; False when the tensor is not one (it is read dense)."""
+    """Put a packed shell (meta device) where a packable matrix is -- a block projection, the token
+    embedding or an untied LM head -- and its packed tensors into `tensors` for load_weights; False when
+    the tensor is not one (it is read dense)."""
     from edgetrain.models.gguf.packed import PACKABLE_TYPES, all_finite, pack_blocks
-    from edgetrain.models.quantized import QuantizedLinear
+    from edgetrain.models.quantized import QuantizedEmbedding, QuantizedLinear
 
     match = _PROJECTION.fullmatch(target)
-    if match is None or info.ggml_type not in PACKABLE_TYPES:
+    if (match is None and target not in (_EMBEDDING, _HEAD)) or info.ggml_type not in PACKABLE_TYPES:
         return False
     packed = pack_blocks(gguf.tensor_bytes(info), info.ggml_type, info.shape)
     if not all_finite(packed):
@@ -177,18 +189,35 @@ def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target:
     order = rope_row_order(config, gguf_name, info.shape[0])
     if order is not None:
         packed = packed.rows(order)
-    module_path = match.group(1)
+    module_path = target.rpartition(".")[0]
     parent_path, _, attribute = module_path.rpartition(".")
     parent = model.get_submodule(parent_path)
     dense = getattr(parent, attribute)
-    layer = QuantizedLinear.from_packed(packed, dtype=dtype if dtype.is_floating_point else torch.float32)
-    with torch.device("meta"):
-        shell = QuantizedLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size,
-                                bias=dense.bias is not None)
+    compute = dtype if dtype.is_floating_point else torch.float32
+    if target == _EMBEDDING:
+        layer = QuantizedEmbedding.from_packed(packed, dtype=compute)
+        with torch.device("meta"):
+            shell = QuantizedEmbedding(layer.num_embeddings, layer.embedding_dim, layer.bits, layer.group_size,
+                                       dtype=compute, storage_dtype=layer.scales.dtype)
+    else:
+        layer = QuantizedLinear.from_packed(packed, dtype=compute)
+        with torch.device("meta"):
+            shell = QuantizedLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size,
+                                    bias=dense.bias is not None, dtype=compute, storage_dtype=layer.scales.dtype)
     setattr(parent, attribute, shell)
     for name in ("codes", "scales", "biases"):
         tensors[f"{module_path}.{name}"] = getattr(layer, name)
     return True
+
+
+def _realise_dtype_markers(model: Any, dtype: torch.dtype) -> None:
+    """Packed shells were built on the meta device; their (empty) dtype markers are not loaded tensors."""
+    from edgetrain.models.quantized import PackedMatrix
+
+    compute = dtype if dtype.is_floating_point else torch.float32
+    for module in model.modules():
+        if isinstance(module, PackedMatrix) and module._dtype_marker.is_meta:
+            module._dtype_marker = torch.empty(0, dtype=compute)
 
 
 def attach_gguf_tokenizer(gguf: GGUFFile, model: Any) -> None:
