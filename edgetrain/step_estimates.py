@@ -35,14 +35,14 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
+from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK, QUANTIZED_HEAD_VOCAB_CHUNK
 from edgetrain.methods.mesp.method import DEFAULT_ATTENTION_CHUNK, DEFAULT_LOSS_CHUNK, DEFAULT_MLP_CHUNK
+from edgetrain.methods.mesp.ops import DEQUANTIZE_TILE_ELEMENTS
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import QUANTIZED_HEADS, PackedMatrix, QuantizedEmbedding
 from edgetrain.precision import compute_dtype
 
-# mesp's loss tile: vocabulary entries per tile (edgetrain/methods/mesp/loss.py).
-_MESP_VOCAB_CHUNK = 4096
 
 
 class _Shape:
@@ -68,7 +68,10 @@ class _Shape:
         self.dense_projection = (max(self.inner, self.query, self.kv) * self.hidden * dense_element
                                  if quantized_blocks else 0)
         self.quantized_head = isinstance(getattr(model.head, "lm_head", None), QUANTIZED_HEADS)
-        self.dense_head_tile = min(self.vocab, _MESP_VOCAB_CHUNK) * self.hidden * dense_element
+        self.vocab_chunk = QUANTIZED_HEAD_VOCAB_CHUNK if self.quantized_head else DEFAULT_VOCAB_CHUNK
+        self.dense_head_tile = min(self.vocab, self.vocab_chunk) * self.hidden * dense_element
+        # mesp dequantises a projection in tiles of DEQUANTIZE_TILE_ELEMENTS entries
+        self.dense_projection_tile = min(self.dense_projection, DEQUANTIZE_TILE_ELEMENTS * dense_element)
         ranks = [module.rank for module in model.blocks[0].modules() if isinstance(module, LoRALinear)]
         self.ranks = sum(ranks)
         # The trainable parameters of one block: its gradients (or, for mezo, its perturbed copies).
@@ -110,8 +113,8 @@ def _mesp(shape: _Shape) -> int:
     block = (shape.tokens_times(3 * shape.hidden + 2 * shape.query + 2 * shape.kv)
              + 4 * mlp_rows * shape.inner * shape.element
              + shape.batch * shape.heads * attention_rows * shape.seq * shape.loss_element
-             + shape.dense_projection)
-    loss_rows, vocab_rows = min(shape.tokens, DEFAULT_LOSS_CHUNK), min(shape.vocab, _MESP_VOCAB_CHUNK)
+             + shape.dense_projection_tile)
+    loss_rows, vocab_rows = min(shape.tokens, DEFAULT_LOSS_CHUNK), min(shape.vocab, shape.vocab_chunk)
     loss = (loss_rows * (vocab_rows + 2 * shape.hidden) * shape.loss_element + shape.tokens_times(shape.hidden))
     if shape.upcast:  # the tile's logits in the weights' dtype beside their upcast copy, and the weight block's
         loss += loss_rows * vocab_rows * shape.element + vocab_rows * shape.hidden * shape.loss_element

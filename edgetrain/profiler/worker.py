@@ -113,6 +113,11 @@ def profile_torch_method(config) -> dict[str, Any]:
                                 seed=config.seed)
     _progress(f"[{config.method}] warm-up step")
     first = learner.step(batch)
+    # Read as a step's own baseline is read (edgetrain.step_memory): after the allocator's free memory
+    # went back to the kernel, so that free heap is not counted here and again in the step's peak.
+    from edgetrain.step_memory import release_before_step
+
+    release_before_step()
     resident_before_steps = _resident_bytes(learner.probe) if learner.probe is not None else None
     if record["loss"] is None:
         record["loss"] = first.loss
@@ -160,7 +165,10 @@ def _runtime_baseline_bytes(probe_name: str) -> int | None:
     from edgetrain.probes import PROBES
 
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    from edgetrain.step_memory import release_before_step
+
     probe = PROBES.get(probe_name)()
+    release_before_step()
     return _resident_bytes(probe) if probe.available()[0] else None
 
 

@@ -173,7 +173,8 @@ def test_quantize_base_packs_the_embedding_and_head_and_a_tied_head_reads_the_em
         assert head.table is table and not list(head.buffers())  # one table, held once
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(table(ids), table.dequantize()[ids], rtol=0, atol=0)
-    step = table.scales.float().repeat_interleave(32, dim=1)
+    assert table.group_size == 64  # the load default where the width allows (MLX's)
+    step = table.scales.float().repeat_interleave(table.group_size, dim=1)
     assert ((table.dequantize() - dense.embed.embed_tokens.weight).abs() <= step / 2 + 1e-3).all()
     x = torch.randn(2, 9, model.config.hidden_size)
     torch.testing.assert_close(head(x), x @ head.weight.T, rtol=1e-6, atol=1e-6)
@@ -253,3 +254,38 @@ def test_a_gguf_keeps_its_embedding_and_head_packed_with_the_dense_logits(tmp_pa
     torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=0)
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-4, atol=1e-6)
+
+
+def test_mesp_dequantises_projections_and_the_head_in_tiles_with_autograds_gradients(monkeypatch, text_batches):
+    """Tiles small enough that every projection and the head are cut (the last tile short): the same
+    loss and gradients as bp through the dequantised weights, and no tile above the bound."""
+    import edgetrain.methods.mesp.method as mesp_method
+    import edgetrain.methods.mesp.ops as mesp_ops
+    from edgetrain.models.quantized import PackedMatrix
+
+    torch.manual_seed(0)
+    model = edgetrain.load_model("tiny", quantize_bits=4)
+    edgetrain.add_lora(model, rank=4)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, LoRALinear):
+                layer.lora_B.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    dense = _dense_twin(model)
+    batch = text_batches(1, seq_len=64, batch_size=2)[0]
+    tiles = []
+    original = PackedMatrix.dequantize_rows
+    monkeypatch.setattr(PackedMatrix, "dequantize_rows",
+                        lambda self, start, stop, *a: tiles.append((self.rows, (stop - start) * self.cols))
+                        or original(self, start, stop, *a))
+    monkeypatch.setattr(mesp_ops, "DEQUANTIZE_TILE_ELEMENTS", 128 * 47)
+    monkeypatch.setattr(mesp_method, "QUANTIZED_HEAD_VOCAB_CHUNK", 100)
+    loss, grads = METHODS.get("mesp")(model).gradients(batch)
+    reference_loss, reference = METHODS.get("bp")(dense).gradients(batch)
+    config = model.config
+    assert {rows for rows, _ in tiles} >= {config.hidden_size, config.intermediate_size, config.vocab_size}
+    assert max(size for rows, size in tiles if rows != config.vocab_size) <= 128 * 47
+    assert max(size for rows, size in tiles if rows == config.vocab_size) <= 100 * config.hidden_size
+    assert abs(float(loss) - float(reference_loss)) <= 1e-5 * abs(float(reference_loss))
+    num = sum(float((grads[k] - reference[k]).norm() ** 2) for k in reference) ** 0.5
+    den = sum(float(reference[k].norm() ** 2) for k in reference) ** 0.5
+    assert num <= 1e-5 * den, num / den

@@ -51,7 +51,7 @@ def linear_weights(module: nn.Module, where: str) -> LinearWeights:
 
 def _frozen_weights(module: nn.Module, where: str) -> LinearWeights:
     if isinstance(module, QuantizedLinear):  # dequantised when used, one layer at a time
-        return LinearWeights(None, None if module.bias is None else module.bias.detach(), dequantize=module.dequantize)
+        return LinearWeights(None, None if module.bias is None else module.bias.detach(), packed=module)
     if type(module) is nn.Linear:
         return LinearWeights(module.weight.detach(), None if module.bias is None else module.bias.detach())
     raise EdgetrainError(f"{where} is a {type(module).__name__}; mesp handles nn.Linear, QuantizedLinear and "

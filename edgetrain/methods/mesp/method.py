@@ -26,7 +26,7 @@ from torch import nn
 from edgetrain.data.batch import Batch
 from edgetrain.methods.base import METHODS, apply_gradients, require_finite, trainable_parameters
 from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_forward, rope_tables
-from edgetrain.methods.mesp.loss import chunked_lm_loss
+from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK, QUANTIZED_HEAD_VOCAB_CHUNK, chunked_lm_loss
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import QUANTIZED_HEADS, QuantizedEmbedding
@@ -172,9 +172,11 @@ class StructuredBackprop:
             block_inputs.append(hidden)
             hidden = block_forward(block_weights, hidden, rope, **chunks)
         head = model.head
-        lm_weight = head.lm_head.weight if type(head.lm_head) is nn.Linear else head.lm_head  # read in tiles
-        loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps, lm_weight,
-                                     batch.targets, self.loss_chunk)
+        dense_head = type(head.lm_head) is nn.Linear
+        loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps,
+                                     head.lm_head.weight if dense_head else head.lm_head,  # dequantised per tile
+                                     batch.targets, self.loss_chunk,
+                                     DEFAULT_VOCAB_CHUNK if dense_head else QUANTIZED_HEAD_VOCAB_CHUNK)
         if require_finite_loss:
             require_finite(float(loss), "loss")
         del hidden

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from edgetrain import precision
+
+# A quantised projection is dequantised in tiles of rows of this many entries (4 MiB in float32): a
+# Qwen2.5-0.5B MLP matrix in 5 tiles, where whole it would be 17 MiB beside the step's working set.
+DEQUANTIZE_TILE_ELEMENTS = 1 << 20
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -223,12 +227,39 @@ class LinearWeights:
     lora_A: torch.Tensor | None = None
     lora_B: torch.Tensor | None = None
     scale: float = 1.0
-    # A quantised base (edgetrain.models.quantized): weight is None and this gives the dense matrix, made
-    # anew at each use so that only the layer computing holds it.
-    dequantize: Callable[[], torch.Tensor] | None = None
+    # A quantised base (edgetrain.models.quantized.PackedMatrix): weight is None and the dense matrix is
+    # made anew at each use, a tile of rows at a time, so that only the tile computing is held.
+    packed: Any = None
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight if self.dequantize is None else self.dequantize()
+        return self.weight if self.packed is None else self.packed.dequantize()
+
+    def _tiles(self) -> Iterator[tuple[int, int]]:
+        rows = self.packed.rows
+        step = max(1, DEQUANTIZE_TILE_ELEMENTS // self.packed.cols)
+        for start in range(0, rows, step):
+            yield start, min(start + step, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b for a 2-D x."""
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = x.new_empty(x.shape[0], self.packed.rows)
+        for start, stop in self._tiles():
+            torch.mm(x, self.packed.dequantize_rows(start, stop, x.dtype).t(), out=y[:, start:stop])
+        return y if self.bias is None else y.add_(self.bias)
+
+    def add_input_grad(self, grad_x: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+        """grad_x + grad W (grad W when grad_x is None; added in place otherwise)."""
+        if self.packed is None:
+            return grad @ self.weight if grad_x is None else grad_x.addmm_(grad, self.weight)
+        for start, stop in self._tiles():
+            tile = self.packed.dequantize_rows(start, stop, grad.dtype)
+            if grad_x is None:
+                grad_x = grad[:, start:stop] @ tile
+            else:
+                grad_x.addmm_(grad[:, start:stop], tile)
+        return grad_x
 
     @property
     def has_lora(self) -> bool:
@@ -271,7 +302,7 @@ def linear_group_forward(x: torch.Tensor, linears: Sequence[LinearWeights]
     projection = lora_projection(x, linears)
     outputs, offset = [], 0
     for lin in linears:
-        y = F.linear(x, lin.dense_weight(), lin.bias)
+        y = lin.forward(x)
         if lin.lora_B is not None:
             y.addmm_(projection[:, offset:offset + lin.rank], lin.lora_B.t(), alpha=lin.scale)
             offset += lin.rank
@@ -312,9 +343,9 @@ def lora_group_backward(x: torch.Tensor, linears: Sequence[LinearWeights], grad_
 def linear_group_input_grad(linears: Sequence[LinearWeights], grad_outputs: Sequence[torch.Tensor],
                             grad_projection: torch.Tensor | None) -> torch.Tensor:
     """dL/dx = sum g W + sum s (g B) A for linears sharing the input x, accumulated in one buffer."""
-    grad_x = grad_outputs[0] @ linears[0].dense_weight()
-    for lin, grad in zip(linears[1:], grad_outputs[1:]):
-        grad_x.addmm_(grad, lin.dense_weight())
+    grad_x = None
+    for lin, grad in zip(linears, grad_outputs):
+        grad_x = lin.add_input_grad(grad_x, grad)
     if grad_projection is not None:
         grad_x.addmm_(grad_projection, torch.cat([lin.lora_A for lin in linears if lin.has_lora], dim=0))
     return grad_x
