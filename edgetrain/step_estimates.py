@@ -37,10 +37,9 @@ from torch import nn
 from edgetrain.data.batch import Batch
 from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK, QUANTIZED_HEAD_VOCAB_CHUNK
 from edgetrain.methods.mesp.method import DEFAULT_ATTENTION_CHUNK, DEFAULT_LOSS_CHUNK, DEFAULT_MLP_CHUNK
-from edgetrain.methods.mesp.ops import DEQUANTIZE_TILE_ELEMENTS
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LoRALinear
-from edgetrain.models.quantized import QUANTIZED_HEADS, PackedMatrix, QuantizedEmbedding
+from edgetrain.models.quantized import QUANTIZED_HEADS, TILE_ELEMENTS, PackedMatrix, QuantizedEmbedding
 from edgetrain.precision import compute_dtype
 
 
@@ -65,13 +64,12 @@ class _Shape:
         # narrower model dtype): the largest block projection, and one vocabulary tile of the head.
         dense_element = self.loss_element + (self.element if self.element != self.loss_element else 0)
         quantized_blocks = any(isinstance(m, PackedMatrix) for m in model.blocks[0].modules())
-        self.dense_projection = (max(self.inner, self.query, self.kv) * self.hidden * dense_element
-                                 if quantized_blocks else 0)
+        self.dense_projection = (min(max(self.inner, self.query, self.kv) * self.hidden, TILE_ELEMENTS)
+                                 * dense_element if quantized_blocks else 0)
         self.quantized_head = isinstance(getattr(model.head, "lm_head", None), QUANTIZED_HEADS)
         self.vocab_chunk = QUANTIZED_HEAD_VOCAB_CHUNK if self.quantized_head else DEFAULT_VOCAB_CHUNK
         self.dense_head_tile = min(self.vocab, self.vocab_chunk) * self.hidden * dense_element
-        # mesp dequantises a projection in tiles of DEQUANTIZE_TILE_ELEMENTS entries
-        self.dense_projection_tile = min(self.dense_projection, DEQUANTIZE_TILE_ELEMENTS * dense_element)
+
         ranks = [module.rank for module in model.blocks[0].modules() if isinstance(module, LoRALinear)]
         self.ranks = sum(ranks)
         # The trainable parameters of one block: its gradients (or, for mezo, its perturbed copies).
@@ -113,7 +111,7 @@ def _mesp(shape: _Shape) -> int:
     block = (shape.tokens_times(3 * shape.hidden + 2 * shape.query + 2 * shape.kv)
              + 4 * mlp_rows * shape.inner * shape.element
              + shape.batch * shape.heads * attention_rows * shape.seq * shape.loss_element
-             + shape.dense_projection_tile)
+             + shape.dense_projection)
     loss_rows, vocab_rows = min(shape.tokens, DEFAULT_LOSS_CHUNK), min(shape.vocab, shape.vocab_chunk)
     loss = (loss_rows * (vocab_rows + 2 * shape.hidden) * shape.loss_element + shape.tokens_times(shape.hidden))
     if shape.upcast:  # the tile's logits in the weights' dtype beside their upcast copy, and the weight block's

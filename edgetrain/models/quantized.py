@@ -25,7 +25,8 @@ Gradients equal autograd through the dequantised weights (tests/models/test_quan
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -36,9 +37,36 @@ from edgetrain.registry import EdgetrainError
 GROUP_SIZE = 32
 SUPPORTED_BITS = (4, 8)
 STORAGE_DTYPE = torch.float16
-# A matrix of more elements than this is dequantised in tiles of rows (32 MiB of float32 each): block
-# projections in one piece, an LM head of a 150k vocabulary in ~17.
-TILE_ELEMENTS = 1 << 23
+# Computing layers dequantise a tile of rows of at most this many entries at a time (4 MiB of float32:
+# a Qwen2.5-0.5B MLP matrix in 5 tiles), into a scratch buffer kept per thread, device and dtype. Reusing
+# it matters: a fresh buffer per tile is fresh pages per tile (glibc maps large blocks anew when the
+# probes pin its mmap threshold), and faulting them in cost more than the dequantisation.
+TILE_ELEMENTS = 1 << 20
+_SCRATCH = threading.local()
+
+
+def _scratch(kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reusable flat buffer of `numel` entries for this thread (and CUDA stream): valid until the next
+    request of the same kind, dtype and device on it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    key = (kind, dtype, device, stream)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffers[key] = buffer = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
+
+
+def _under_functorch() -> bool:
+    """Whether a torch.func transform (jvp, vmap, grad) is running: it forbids writing into a tensor made
+    outside it, so the scratch buffers are not used there."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def release_scratch() -> None:
+    """Drop this thread's dequantisation buffers (they are made again when a layer next computes)."""
+    _SCRATCH.__dict__.pop("buffers", None)
 
 
 class PackedMatrix(nn.Module):
@@ -85,32 +113,49 @@ class PackedMatrix(nn.Module):
         return torch.float64 if torch.float64 in (wanted, self.scales.dtype) else torch.float32
 
     def _dequantize_packed(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
-                           dtype: torch.dtype | None) -> torch.Tensor:
-        """Dense rows from packed ones: one buffer, filled with the integers and scaled in place."""
+                           dtype: torch.dtype | None, scratch: bool = False) -> torch.Tensor:
+        """Dense rows from packed ones: one buffer (a scratch one when asked), filled with the integers and
+        scaled in place."""
         work = self._work_dtype(dtype)
-        rows = codes.shape[0]
-        dense = torch.empty(rows, self.cols, dtype=work, device=codes.device)
+        wanted = self.dtype if dtype is None else dtype
+        rows, device = codes.shape[0], codes.device
+        scratch = scratch and not _under_functorch()
+        if scratch and wanted == work:
+            dense = _scratch("dense", rows * self.cols, work, device).view(rows, self.cols)
+        else:
+            dense = torch.empty(rows, self.cols, dtype=work, device=device)
         if self.bits == 4:  # byte i holds columns 2i (low nibble) and 2i + 1 (high nibble)
             pairs = dense.view(rows, self.cols // 2, 2)
-            pairs[..., 0].copy_(codes & 0x0F)
-            pairs[..., 1].copy_(codes >> 4)
+            nibbles = (_scratch("nibbles", codes.numel(), torch.uint8, device).view(codes.shape) if scratch
+                       else torch.empty_like(codes))
+            pairs[..., 0].copy_(torch.bitwise_and(codes, 0x0F, out=nibbles))
+            pairs[..., 1].copy_(torch.bitwise_right_shift(codes, 4, out=nibbles))
         else:
             dense.copy_(codes)
         grouped = dense.view(rows, -1, self.group_size)
         grouped.mul_(scales.to(work).unsqueeze(-1)).add_(biases.to(work).unsqueeze(-1))
-        wanted = self.dtype if dtype is None else dtype
         return dense if wanted == work else dense.to(wanted)
+
+    def scratch_tiles(self, dtype: torch.dtype | None = None, device: Any = None,
+                      rows_per_tile: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(start, stop, dense rows [start, stop)) covering the matrix, `rows_per_tile` rows at a time (as
+        many as TILE_ELEMENTS entries hold by default). Each tile lives in a scratch buffer that the next
+        tile overwrites: use it before asking for the next."""
+        step = rows_per_tile or max(1, TILE_ELEMENTS // self.cols)
+        for start in range(0, self.rows, step):
+            stop = min(start + step, self.rows)
+            yield start, stop, self.dequantize_rows(start, stop, dtype, device, scratch=True)
 
     def dequantize(self, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
         """The whole dense [rows, cols] matrix in `dtype` (the layer's by default)."""
         return self.dequantize_rows(0, self.rows, dtype, device)
 
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
-                        device: Any = None) -> torch.Tensor:
-        """Dense rows [start, stop)."""
+                        device: Any = None, scratch: bool = False) -> torch.Tensor:
+        """Dense rows [start, stop); in this thread's scratch buffer with `scratch` (see scratch_tiles)."""
         move = (lambda t: t) if device is None else (lambda t: t.to(device))  # noqa: E731
         return self._dequantize_packed(move(self.codes[start:stop]), move(self.scales[start:stop]),
-                                       move(self.biases[start:stop]), dtype)
+                                       move(self.biases[start:stop]), dtype, scratch)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense rows `indices` (any shape of integers): [*indices.shape, cols]."""
@@ -167,8 +212,8 @@ class PackedMatrix(nn.Module):
 
 
 class QuantizedMatmul(torch.autograd.Function):
-    """x W^T with W dequantised from `matrix` in the forward and again in the backward (never saved), a
-    tile of rows at a time when it is large."""
+    """x W^T with W dequantised from `matrix` a tile of rows at a time in the forward and again in the
+    backward (never saved)."""
 
     @staticmethod
     def forward(x: torch.Tensor, matrix: PackedMatrix) -> torch.Tensor:
@@ -181,33 +226,23 @@ class QuantizedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
         matrix: PackedMatrix = ctx.matrix
-        step = _tile_rows(matrix)
-        grad_x = None
-        for start in range(0, matrix.rows, step):
-            stop = min(start + step, matrix.rows)
-            tile = matrix.dequantize_rows(start, stop, grad_output.dtype, grad_output.device)
-            part = grad_output[..., start:stop] @ tile
-            grad_x = part if grad_x is None else grad_x.add_(part)
-        return grad_x, None
+        flat = grad_output.reshape(-1, matrix.rows)
+        grad_x = flat.new_zeros(flat.shape[0], matrix.cols)
+        for start, stop, tile in matrix.scratch_tiles(grad_output.dtype, grad_output.device):
+            grad_x.addmm_(flat[:, start:stop], tile)
+        return grad_x.view(*grad_output.shape[:-1], matrix.cols), None
 
     @staticmethod
     def jvp(ctx: Any, x_tangent: torch.Tensor, _: Any) -> torch.Tensor:
         return _times_transposed(x_tangent, ctx.matrix)
 
 
-def _tile_rows(matrix: PackedMatrix) -> int:
-    return max(1, min(matrix.rows, TILE_ELEMENTS // max(1, matrix.cols)))
-
-
 def _times_transposed(x: torch.Tensor, matrix: PackedMatrix) -> torch.Tensor:
-    step = _tile_rows(matrix)
-    if step >= matrix.rows:
-        return x @ matrix.dequantize(x.dtype, x.device).T
-    out = x.new_empty(*x.shape[:-1], matrix.rows)
-    for start in range(0, matrix.rows, step):
-        stop = min(start + step, matrix.rows)
-        out[..., start:stop] = x @ matrix.dequantize_rows(start, stop, x.dtype, x.device).T
-    return out
+    flat = x.reshape(-1, matrix.cols)
+    out = flat.new_empty(flat.shape[0], matrix.rows)
+    for start, stop, tile in matrix.scratch_tiles(x.dtype, x.device):
+        torch.mm(flat, tile.t(), out=out[:, start:stop])
+    return out.view(*x.shape[:-1], matrix.rows)
 
 
 class QuantizedLinear(PackedMatrix):
@@ -309,8 +344,8 @@ class TiedQuantizedHead(nn.Module):
         return self.table.dequantize()
 
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
-                        device: Any = None) -> torch.Tensor:
-        return self.table.dequantize_rows(start, stop, dtype, device)
+                        device: Any = None, scratch: bool = False) -> torch.Tensor:
+        return self.table.dequantize_rows(start, stop, dtype, device, scratch)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.table.dequantize_gathered(indices, dtype)

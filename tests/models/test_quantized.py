@@ -199,7 +199,7 @@ def test_large_matrices_are_dequantised_in_tiles_with_the_same_product_gradient_
     original = quantized.PackedMatrix.dequantize_rows
     monkeypatch.setattr(quantized, "TILE_ELEMENTS", 64 * 7)  # 7 rows a tile: 6 tiles, the last short
     monkeypatch.setattr(quantized.PackedMatrix, "dequantize_rows",
-                        lambda self, start, stop, *a: seen.append(stop - start) or original(self, start, stop, *a))
+                        lambda self, start, stop, *a, **k: seen.append(stop - start) or original(self, start, stop, *a, **k))
     tiled = layer(x)
     (tiled_grad,) = torch.autograd.grad(tiled.square().sum(), x)
     _, tiled_jvp = torch.func.jvp(layer, (x.detach(),), (tangent,))
@@ -260,7 +260,7 @@ def test_mesp_dequantises_projections_and_the_head_in_tiles_with_autograds_gradi
     """Tiles small enough that every projection and the head are cut (the last tile short): the same
     loss and gradients as bp through the dequantised weights, and no tile above the bound."""
     import edgetrain.methods.mesp.method as mesp_method
-    import edgetrain.methods.mesp.ops as mesp_ops
+    import edgetrain.models.quantized as quantized
     from edgetrain.models.quantized import PackedMatrix
 
     torch.manual_seed(0)
@@ -275,9 +275,9 @@ def test_mesp_dequantises_projections_and_the_head_in_tiles_with_autograds_gradi
     tiles = []
     original = PackedMatrix.dequantize_rows
     monkeypatch.setattr(PackedMatrix, "dequantize_rows",
-                        lambda self, start, stop, *a: tiles.append((self.rows, (stop - start) * self.cols))
-                        or original(self, start, stop, *a))
-    monkeypatch.setattr(mesp_ops, "DEQUANTIZE_TILE_ELEMENTS", 128 * 47)
+                        lambda self, start, stop, *a, **k: tiles.append((self.rows, (stop - start) * self.cols))
+                        or original(self, start, stop, *a, **k))
+    monkeypatch.setattr(quantized, "TILE_ELEMENTS", 128 * 47)
     monkeypatch.setattr(mesp_method, "QUANTIZED_HEAD_VOCAB_CHUNK", 100)
     loss, grads = METHODS.get("mesp")(model).gradients(batch)
     reference_loss, reference = METHODS.get("bp")(dense).gradients(batch)

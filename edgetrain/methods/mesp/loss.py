@@ -112,5 +112,6 @@ def _row_readers(lm_weight: torch.Tensor | Any, dtype: torch.dtype
     """(vocabulary size, rows [start, stop), rows at indices) of a dense weight or a quantised head."""
     if isinstance(lm_weight, torch.Tensor):
         return lm_weight.shape[0], lambda start, stop: lm_weight[start:stop], lambda rows: lm_weight[rows]
-    return (lm_weight.out_features, lambda start, stop: lm_weight.dequantize_rows(start, stop, dtype),
+    # The tile lives in a scratch buffer the next tile overwrites: it is used only within its iteration.
+    return (lm_weight.out_features, lambda start, stop: lm_weight.dequantize_rows(start, stop, dtype, scratch=True),
             lambda rows: lm_weight.dequantize_gathered(rows, dtype))

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from edgetrain import precision
 
-# A quantised projection is dequantised in tiles of rows of this many entries (4 MiB in float32): a
-# Qwen2.5-0.5B MLP matrix in 5 tiles, where whole it would be 17 MiB beside the step's working set.
-DEQUANTIZE_TILE_ELEMENTS = 1 << 20
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -228,37 +225,29 @@ class LinearWeights:
     lora_B: torch.Tensor | None = None
     scale: float = 1.0
     # A quantised base (edgetrain.models.quantized.PackedMatrix): weight is None and the dense matrix is
-    # made anew at each use, a tile of rows at a time, so that only the tile computing is held.
+    # made anew at each use, a tile of rows at a time in a reused scratch buffer (PackedMatrix.scratch_tiles).
     packed: Any = None
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight if self.packed is None else self.packed.dequantize()
-
-    def _tiles(self) -> Iterator[tuple[int, int]]:
-        rows = self.packed.rows
-        step = max(1, DEQUANTIZE_TILE_ELEMENTS // self.packed.cols)
-        for start in range(0, rows, step):
-            yield start, min(start + step, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b for a 2-D x."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         y = x.new_empty(x.shape[0], self.packed.rows)
-        for start, stop in self._tiles():
-            torch.mm(x, self.packed.dequantize_rows(start, stop, x.dtype).t(), out=y[:, start:stop])
+        for start, stop, tile in self.packed.scratch_tiles(x.dtype):
+            torch.mm(x, tile.t(), out=y[:, start:stop])
         return y if self.bias is None else y.add_(self.bias)
 
     def add_input_grad(self, grad_x: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
         """grad_x + grad W (grad W when grad_x is None; added in place otherwise)."""
         if self.packed is None:
             return grad @ self.weight if grad_x is None else grad_x.addmm_(grad, self.weight)
-        for start, stop in self._tiles():
-            tile = self.packed.dequantize_rows(start, stop, grad.dtype)
-            if grad_x is None:
-                grad_x = grad[:, start:stop] @ tile
-            else:
-                grad_x.addmm_(grad[:, start:stop], tile)
+        if grad_x is None:
+            grad_x = grad.new_zeros(grad.shape[0], self.packed.cols)
+        for start, stop, tile in self.packed.scratch_tiles(grad.dtype):
+            grad_x.addmm_(grad[:, start:stop], tile)
         return grad_x
 
     @property
