@@ -19,8 +19,9 @@ V the vocabulary, and T = one block's trainable bytes (its gradients, or mezo's 
   mezo  inference memory: the larger of the logits with their log-softmax (2 N V c) and one block's
         forward, plus T
 
-With a quantised base (edgetrain.models.quantized) each method's block term also holds the largest
-projection dequantised, and mesp's loss tile the head's dequantised 4096-row tile.
+With a quantised base (edgetrain.models.quantized) each method's block term also holds one dequantised
+tile of a projection (edgetrain.models.quantized.TILE_ELEMENTS entries), and mesp's loss term the head's
+dequantised vocabulary tile (QUANTIZED_HEAD_VOCAB_CHUNK rows).
 
 Checked against tensor accounting of the real first steps (tests/test_step_estimates.py and the
 calibration behind it): fp32 and fp64 within 15% on the tiny preset and on SmolLM2-, Qwen2.5-0.5B- and

@@ -19,8 +19,9 @@ for a float64 model), so a GGUF's weights come out exactly as ggml computes them
 
 The dense weight exists only while one layer computes with it: the forward dequantises, multiplies and
 drops it; the backward (the weight is frozen, so only dL/dx = dL/dy W is needed) dequantises it again
-rather than keeping it from the forward. A large matrix (the LM head) is dequantised in tiles of rows.
-`mesp` takes the same path through `LinearWeights.dense_weight` and reads the head a tile at a time.
+rather than keeping it from the forward. A matrix is dequantised in tiles of rows into a reused scratch
+buffer (TILE_ELEMENTS). `mesp` takes the same tiles (PackedMatrix.scratch_tiles) in its forward, recompute
+and backward, and reads the head a vocabulary tile at a time.
 Gradients equal autograd through the dequantised weights (tests/models/test_quantized.py).
 """
 from __future__ import annotations
@@ -37,11 +38,11 @@ from edgetrain.registry import EdgetrainError
 GROUP_SIZE = 32
 SUPPORTED_BITS = (4, 8)
 STORAGE_DTYPE = torch.float16
-# Computing layers dequantise a tile of rows of at most this many entries at a time (4 MiB of float32:
-# a Qwen2.5-0.5B MLP matrix in 5 tiles), into a scratch buffer kept per thread, device and dtype. Reusing
-# it matters: a fresh buffer per tile is fresh pages per tile (glibc maps large blocks anew when the
-# probes pin its mmap threshold), and faulting them in cost more than the dequantisation.
-TILE_ELEMENTS = 1 << 20
+# Computing layers dequantise a tile of rows of at most this many entries at a time (1 MiB of float32:
+# a Qwen2.5-0.5B MLP matrix in 17 tiles, no slower than whole), into a scratch buffer kept per thread,
+# device and dtype. Reusing it matters: a fresh buffer per tile is fresh pages per tile (glibc maps large
+# blocks anew when the probes pin its mmap threshold), and faulting them in cost more than dequantising.
+TILE_ELEMENTS = 1 << 18
 _SCRATCH = threading.local()
 
 

@@ -23,9 +23,9 @@ from edgetrain.methods.mesp.ops import compute_dtype, rms_norm_backward, rms_nor
 # Vocabulary rows per tile: a [4096, hidden] block of W (14.7 MB for Qwen2.5-0.5B in fp32) stays in a
 # typical last-level cache between its two uses.
 DEFAULT_VOCAB_CHUNK = 4096
-# A quantised head's tile is dequantised, not a view of the weight: a smaller one keeps that copy
-# (1024 x hidden) near the size of the logits tile.
-QUANTIZED_HEAD_VOCAB_CHUNK = 1024
+# A quantised head's tile is dequantised into a scratch buffer, not a view of the weight: a smaller one
+# keeps that copy (512 x hidden) near edgetrain.models.quantized.TILE_ELEMENTS.
+QUANTIZED_HEAD_VOCAB_CHUNK = 512
 
 
 def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_weight: torch.Tensor | Any,
