@@ -17,66 +17,31 @@ any moment resumes its window where the last checkpoint left it.
 The store directory holds everything: examples.sqlite (examples, versions, state), events.jsonl,
 base/ (the adapter a window starts from when it starts from the base), versions/vNNNNNN/ (promoted
 adapters), window/ (the open window's example snapshots and checkpoints), run.lock.
+
+This module is the facade an app calls. The run loop and its thread control are in
+edgetrain.personalise.runner, a window's lifecycle (open, step, checkpoint, gate) in
+edgetrain.personalise.window, and binding a store to its base model in edgetrain.personalise.binding.
 """
 from __future__ import annotations
 
-import hashlib
-import shutil
 import threading
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
-from edgetrain.logs import get_logger
-from edgetrain.personalise.errors import (BadExampleError, ModelMismatchError, PersonaliseError, StoreBusyError,
-                                          WrongKindError)
+from edgetrain.personalise.binding import bind, check_bound, check_holdout_every, load_base, make_kind
+from edgetrain.personalise.errors import PersonaliseError
 from edgetrain.personalise.events import EventCallback, EventLog
-from edgetrain.personalise.examples import ModelKind, example_from_body, is_held_out
-from edgetrain.personalise.kinds import ClassifierKind, DecoderKind, NotEnoughData, gate, model_kind, write_snapshot
-from edgetrain.personalise.policy import Decision, Policy
+from edgetrain.personalise.examples import ModelKind, is_held_out
+from edgetrain.personalise.kinds import model_kind
+from edgetrain.personalise.policy import Policy
+from edgetrain.personalise.runner import Runner, RunResult, run_lock
 from edgetrain.personalise.sensors import as_sensors
 from edgetrain.personalise.store import EVENTS, Store
 from edgetrain.personalise.versions import Version, Versions, check_keep
+from edgetrain.personalise.window import discard_window_files
 from edgetrain.registry import EdgetrainError
 
-log = get_logger(__name__)
-
-WINDOW = "window"
-BASE = "base"
-LOCK = "run.lock"
-
-
-class _Interrupted(Exception):
-    """pause() or stop() arrived during an evaluation: it is abandoned and done again later."""
-
-
-@dataclass
-class RunResult:
-    """What one run() did: steps taken, windows that reached the gate, versions promoted, and why it ended
-    ("stop", "max_steps", "max_seconds", "policy", "paused", "waiting")."""
-
-    steps: int = 0
-    windows: int = 0
-    promoted: list[int] = field(default_factory=list)
-    rejected: int = 0
-    reason: str = ""
-
-
-@dataclass
-class _Window:
-    state: dict[str, Any]
-    learner: Any
-    batches: Any
-    eval_batches: list
-    checkpointed_step: int = 0
-
-
-def _model_key(model: str | Path) -> str:
-    """How the store remembers a base model: a path as an absolute path, a name as it is."""
-    path = Path(model).expanduser()
-    return str(path.resolve()) if path.exists() else str(model)
+__all__ = ["Personaliser", "RunResult"]
 
 
 class Personaliser:
@@ -135,23 +100,7 @@ class Personaliser:
         self._lora = {"rank": rank, "alpha": alpha, **({"targets": tuple(targets)} if targets is not None else {})}
         self._model: Any = None
         self._kind: Any = None
-        self._window: _Window | None = None
-        self._idle: bool | None = None
-        self._pause_requested = threading.Event()
-        self._stop_requested = threading.Event()
-        self._wake = threading.Event()
-        self._acknowledged = threading.Event()
-        self._requested_at = 0.0
-        self.latency: float | None = None  # seconds from the last pause()/stop() to the run noticing it
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self._decision: Decision | None = None
-        self._read_at = 0.0
-        self._need_bytes: int | None = None
-        self._measured = False
-        self._active = False
-        self._reported_skips: set[str] = set()
-        self._data_version: int | None = None
+        self._runner = Runner(self)  # the run loop, its thread control and the open window
         if max_examples is not None or max_bytes is not None:
             self.store.set_retention(max_examples, max_bytes)
         if serve_stale is not None:
@@ -171,71 +120,25 @@ class Personaliser:
 
     def _bind(self, model: str | Path | None, method: str | None, holdout_every: int | None) -> None:
         bound = self.bound
-        if holdout_every is not None and (isinstance(holdout_every, bool) or not isinstance(holdout_every, int)
-                                          or holdout_every < 2):
-            raise PersonaliseError(f"holdout_every must be a whole number >= 2, got {holdout_every!r}")
+        check_holdout_every(holdout_every)
         if bound is not None:
-            if model is not None and _model_key(model) != bound["name"]:
-                raise ModelMismatchError(f"store {self.directory} personalises {bound['name']!r}, not "
-                                         f"{_model_key(model)!r}: use another store for another base model")
-            if method is not None and method != bound["method"]:
-                raise ModelMismatchError(f"store {self.directory} trains with method {bound['method']!r}, not "
-                                         f"{method!r} (its checkpoints and versions are that method's)")
-            if holdout_every is not None and holdout_every != bound["holdout_every"]:
-                raise ModelMismatchError(f"store {self.directory} holds out one example in {bound['holdout_every']}; "
-                                         f"holdout_every={holdout_every} would train on held-out examples")
+            check_bound(self.directory, bound, model, method, holdout_every)
             return
         if model is None:
             return
         loaded = self._load_base(str(model))
         kind = model_kind(loaded)
         trainer = self._make_kind(kind)
-        method = method or trainer.default_method
-        self._check_method(method)
-        lora = self._lora if kind.task == "lm" else None
-        trainer.prepare(loaded, lora or {})
-        base = self.directory / BASE / trainer.version_file
-        base.parent.mkdir(exist_ok=True)
-        trainer.save(loaded, base)
-        record = {"name": _model_key(model), "method": method, "kind": kind.to_dict(), "lora": lora,
-                  "holdout_every": holdout_every or 5, "created_backend": self.backend_name,
-                  "base": str(base.relative_to(self.directory))}
-        with self.store.transaction() as connection:
-            if self.store.get_meta("model", None, connection) is not None:
-                raise StoreBusyError(f"store {self.directory} was bound to a model by another process meanwhile")
-            wrong = []
-            for _, example, kind_name, body in self.store.rows(connection=connection):
-                try:
-                    kind.check(example_from_body(body))
-                except BadExampleError as exc:
-                    wrong.append(f"{example} ({exc})")
-            if wrong:
-                raise WrongKindError(f"store {self.directory} holds {len(wrong)} example(s) that {kind.describe()} "
-                                     f"cannot learn from: {'; '.join(wrong[:5])}; forget them first")
-            self.store.set_meta("model", record, connection)
+        bind(self.store, self.directory, model, loaded, kind, trainer, method=method, holdout_every=holdout_every,
+             lora=self._lora, backend_name=self.backend_name)
         self._model, self._kind = loaded, trainer
 
-    def _check_method(self, method: str) -> None:
-        from edgetrain.backends import get_backend
-
-        get_backend(self.backend_name).require().method_registry().get(method)  # an unknown one says which exist
-
     def _make_kind(self, kind: ModelKind) -> Any:
-        from edgetrain.backends import get_backend
-
-        if kind.task == "lm":
-            return DecoderKind(get_backend(self.backend_name), seq_len=self.seq_len, chat_template=self.chat_template)
-        return ClassifierKind(kind)
+        return make_kind(kind, self.backend_name, self.seq_len, self.chat_template)
 
     def _load_base(self, name: str) -> Any:
         """The base model, the same weights in every process (presets are random init: seeded)."""
-        import torch
-
-        import edgetrain
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return edgetrain.load_model(name, backend=self.backend_name)
+        return load_base(name, self.backend_name, self.seed)
 
     def _require_model(self) -> tuple[Any, Any]:
         """The training model (base + adapters of the bound config) and its kind, loaded once."""
@@ -272,9 +175,9 @@ class Personaliser:
         forgotten = [example for _, example in found]
         self.store.checkpoint_wal()
         if found:
-            with self._run_lock(blocking=False) as held:
+            with run_lock(self.directory, blocking=False) as held:
                 if held:  # no run is training: its window holds copies of examples; drop it now
-                    self._discard_window_files()
+                    discard_window_files(self.directory, self.store)
         if forgotten:
             self.events.emit("forgotten", ids=forgotten)
         if stale:
@@ -291,8 +194,8 @@ class Personaliser:
 
     def set_idle(self, idle: bool) -> None:
         """The app's idle flag, for Policy(require_idle=True): seen by the run at its next step."""
-        self._idle = bool(idle)
-        self._wake.set()
+        self._runner.set_idle(idle)
+
 
     # -- what the app serves -----------------------------------------------------------------------------
     def served_version(self) -> Version | None:
@@ -359,7 +262,7 @@ class Personaliser:
         held_out = sum(is_held_out(i, every) for i in ids) if every else None
         serve_stale = self.serve_stale
         served = self.versions.served(serve_stale)
-        with self._run_lock(blocking=False) as free:
+        with run_lock(self.directory, blocking=False) as free:
             running = not free
         return {"store": str(self.directory), "model": bound["name"] if bound else None,
                 "method": bound["method"] if bound else None, "kind": bound["kind"]["task"] if bound else None,
@@ -375,79 +278,50 @@ class Personaliser:
                 "running": running, "policy": policy, "last_pause": pause}
 
     # -- background control --------------------------------------------------------------------------
+    @property
+    def latency(self) -> float | None:
+        """Seconds from the last pause()/stop() to the run noticing it."""
+        return self._runner.latency
+
+    @latency.setter
+    def latency(self, value: float | None) -> None:
+        self._runner.latency = value
+
+    @property
+    def error(self) -> BaseException | None:
+        """What made the background run fail (None when nothing did, or once stop()/join() raised it)."""
+        return self._runner.error
+
+    @error.setter
+    def error(self, value: BaseException | None) -> None:
+        self._runner.error = value
+
     def start(self, max_steps: int | None = None, max_seconds: float | None = None) -> threading.Thread:
         """run(wait=True) on a background thread (paused by the policy, it waits rather than returning)."""
-        if self._thread is not None and self._thread.is_alive():
-            raise PersonaliseError("the personaliser is already running in the background")
-        self.error = None
-        self._active = True  # a stop() from now on reaches the run, even before the thread has begun it
-
-        def target() -> None:
-            try:
-                self.run(max_steps=max_steps, max_seconds=max_seconds, wait=True)
-            except BaseException as exc:  # noqa: BLE001 -- handed to the app by stop()/join()
-                self.error = exc
-                self.events.emit("error", error=f"{type(exc).__name__}: {exc}")
-                log.warning("the personaliser's background run failed: %r", exc)
-
-        self._thread = threading.Thread(target=target, name="edgetrain-personaliser", daemon=True)
-        self._thread.start()
-        return self._thread
-
-    def _request(self, event: threading.Event) -> None:
-        self._acknowledged.clear()
-        self._requested_at = time.perf_counter()
-        event.set()
-        self._wake.set()
+        return self._runner.start(max_steps, max_seconds)
 
     def pause(self, wait: bool = True, timeout: float | None = 60.0) -> float | None:
         """Stop training at the next step boundary (within one step) until resume(). With `wait`, returns
         once the run has stopped stepping: the seconds that took (None when no run was active)."""
-        running = self._running()
-        self._request(self._pause_requested)
-        return self._await(wait and running, timeout)
+        return self._runner.pause(wait, timeout)
 
     def resume(self) -> None:
         """Undo pause()."""
-        self._pause_requested.clear()
-        self._wake.set()
+        self._runner.resume()
 
     def stop(self, wait: bool = True, timeout: float | None = 60.0) -> float | None:
         """End the run at the next step boundary (within one step), after a checkpoint. With `wait`, returns
         once the run has stopped stepping (the seconds that took), and joins a background run (re-raising
         what made it fail, if anything did)."""
-        if not self._running():
-            return None
-        self._request(self._stop_requested)
-        latency = self._await(wait, timeout)
-        if wait and self._thread is not None:
-            self._thread.join(timeout)
-            if self.error is not None:
-                error, self.error = self.error, None
-                raise error
-        return latency
+        return self._runner.stop(wait, timeout)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for a background run to end by itself (max_steps / max_seconds)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self.error is not None:
-                error, self.error = self.error, None
-                raise error
-
-    def _await(self, wait: bool, timeout: float | None) -> float | None:
-        if not wait:
-            return None
-        if not self._acknowledged.wait(timeout):
-            return None
-        return self.latency
-
-    def _running(self) -> bool:
-        return self._active
+        self._runner.join(timeout)
 
     def close(self) -> None:
         """Stop a background run and close the store."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._runner.alive():
             self.stop()
         self.store.close()
 
@@ -458,400 +332,9 @@ class Personaliser:
         self.close()
 
     # -- the run ----------------------------------------------------------------------------------------
-    @contextmanager
-    def _run_lock(self, blocking: bool = True) -> Iterator[bool]:
-        """The store's run lock (one training run per store, across processes). blocking=True: raises
-        StoreBusyError when held elsewhere; False: yields whether it was acquired."""
-        try:
-            import fcntl
-        except ImportError:  # no flock (Windows): one run per store is then the app's to ensure
-            yield True
-            return
-        path = self.directory / LOCK
-        handle = open(path, "a+b")
-        try:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                if blocking:
-                    raise StoreBusyError(f"store {self.directory} is being trained by another run "
-                                         "(another process, or another Personaliser of this one)") from None
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-        finally:
-            handle.close()
-
     def run(self, max_steps: int | None = None, max_seconds: float | None = None, *, wait: bool = False) -> RunResult:
         """Train in windows while the policy allows, until `max_steps` steps or `max_seconds` seconds (either
         None: no limit), or stop(). When the policy says no (or there is not enough to train on, or the app
         paused): with `wait` it waits for that to change, else it returns (the reason is in the result). The
         window's state is checkpointed before it returns, so the next run goes on where this one ended."""
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0):
-            raise PersonaliseError(f"max_steps must be a whole number >= 0 or None, got {max_steps!r}")
-        result = RunResult()
-        deadline = None if max_seconds is None else time.monotonic() + max_seconds
-        with self._run_lock():
-            self._require_model()
-            self._active = True
-            try:
-                self._clean_up()
-                result.reason = self._loop(result, max_steps, deadline, wait)
-            except BaseException:
-                result.reason = "error"
-                raise
-            finally:
-                self._active = False
-                self._acknowledge()
-                try:
-                    self._checkpoint()
-                finally:
-                    self._window = None
-                self.events.emit("stopped", reason=result.reason, steps=result.steps)
-        return result
-
-    def _acknowledge(self) -> None:
-        if not self._acknowledged.is_set():
-            self.latency = time.perf_counter() - self._requested_at if self._requested_at else None
-            self._acknowledged.set()
-
-    def _loop(self, result: RunResult, max_steps: int | None, deadline: float | None, wait: bool) -> str:
-        paused_for: str | None = None
-        waiting_for: str | None = None
-        while True:
-            if self._stop_requested.is_set():
-                self._acknowledge()
-                self._stop_requested.clear()
-                return "stop"
-            if max_steps is not None and result.steps >= max_steps:
-                return "max_steps"
-            if deadline is not None and time.monotonic() >= deadline:
-                return "max_seconds"
-            if self._pause_requested.is_set():
-                self._acknowledge()
-                if paused_for != "app":
-                    paused_for = "app"
-                    self._note_pause("app")
-                    self._checkpoint()
-                if not wait:
-                    return "paused"
-                self._sleep(deadline)
-                continue
-            decision = self._decide()
-            if not decision.allowed:
-                if paused_for != decision.reason:
-                    paused_for = decision.reason
-                    self._note_pause(decision.reason)
-                    self._checkpoint()
-                if not wait:
-                    return "policy"
-                self._sleep(deadline)
-                continue
-            if paused_for is not None:
-                self.events.emit("resumed", after=paused_for)
-                paused_for = None
-            self._check_generation()
-            try:
-                if self._window is None:
-                    self._open_window()
-                    continue  # decide again: the window's first batch tells the step's memory need
-            except NotEnoughData as exc:
-                reason = str(exc)
-                if waiting_for != reason:
-                    waiting_for = reason
-                    self.events.emit("waiting", reason=reason)
-                if not wait:
-                    return "waiting"
-                self._sleep(deadline, self.poll_seconds * 4)
-                continue
-            except _Interrupted:
-                continue
-            waiting_for = None
-            window = self._window
-            if window.learner.steps_done < window.state["steps"]:
-                self._step(window, result)
-            # A window whose steps are done meets the gate at once, so a run that ends with it has judged it.
-            if self._window is window and window.learner.steps_done >= window.state["steps"]:
-                try:
-                    self._gate(window, result)
-                except _Interrupted:
-                    continue
-
-    def _sleep(self, deadline: float | None, seconds: float | None = None) -> None:
-        seconds = self.poll_seconds if seconds is None else seconds
-        if deadline is not None:
-            seconds = max(0.0, min(seconds, deadline - time.monotonic()))
-        self._wake.wait(seconds)
-        self._wake.clear()
-
-    def _interrupted(self) -> bool:
-        return self._stop_requested.is_set() or self._pause_requested.is_set()
-
-    def _note_pause(self, reason: str) -> None:
-        self.events.emit("paused", reason=reason)
-        self.store.set_meta("last_pause", {"reason": reason, "time": time.time()})
-
-    def _decide(self) -> Decision:
-        """The policy's decision: the sensors are read every `check_every_s`; the app's idle flag and the
-        step's memory need are taken as they are now."""
-        now = time.monotonic()
-        previous = self._decision
-        if previous is None or now - self._read_at >= self.policy.check_every_s:
-            try:
-                readings = self.sensors.read()
-            except Exception as exc:  # noqa: BLE001 -- an injected reader's failure: treat as unknown readings
-                from edgetrain.personalise.sensors import Readings
-
-                readings = Readings(notes={"error": f"the sensors raised {type(exc).__name__}: {exc}"})
-            self._read_at = now
-        else:
-            readings = previous.readings
-        self._decision = self.policy.decide(readings, idle=self._idle, need_bytes=self._need_bytes)
-        if previous is None or previous.allowed != self._decision.allowed or previous.reasons != self._decision.reasons:
-            self.store.set_meta("policy", {**self._decision.to_dict(), "time": time.time()})
-        return self._decision
-
-    # -- windows -----------------------------------------------------------------------------------------
-    def _window_directory(self) -> Path:
-        return self.directory / WINDOW
-
-    def _discard_window_files(self) -> None:
-        shutil.rmtree(self._window_directory(), ignore_errors=True)
-        self.store.set_meta("window", None)
-
-    def _clean_up(self) -> None:
-        """At the start of a run: drop version directories no row names, and the window files when no window
-        is recorded (a crash between recording and deleting)."""
-        self.versions.remove_orphans()
-        if self.store.get_meta("window") is None:
-            shutil.rmtree(self._window_directory(), ignore_errors=True)
-
-    def _check_generation(self) -> None:
-        """Abandon the open window when forget() or rollback() (in any process) invalidated it."""
-        version = self.store.data_version()
-        if version == self._data_version:
-            return
-        self._data_version = version
-        if self._window is not None and self.versions.generation() != self._window.state["generation"]:
-            self.events.emit("window_abandoned", window=self._window.state["number"],
-                             reason="examples were forgotten or the promoted version changed")
-            self._window = None
-            self._discard_window_files()
-
-    def _learner(self, state: dict[str, Any]) -> Any:
-        from edgetrain.learner import Learner
-
-        model, trainer = self._require_model()
-        lr = state["lr"]
-        # Steps are measured (a memory probe costs time every step) only for the budget guard; the memory
-        # policy otherwise uses edgetrain's estimate of the step (decoders).
-        return Learner(model, method=state["method"], backend=self.backend_name, optimizer=self.optimizer, lr=lr,
-                       seed=state["seed"], memory_budget=self.memory_budget,
-                       probe=None if self.memory_budget is not None else False)
-
-    def _load_start(self, start: int | None) -> None:
-        model, trainer = self._require_model()
-        if start is None:
-            trainer.load(model, self.directory / self.bound["base"])
-        else:
-            trainer.load(model, self.versions.path(self.versions.get(start)))
-
-    def _default_lr(self, task: str) -> float:
-        if self.lr is not None:
-            return self.lr
-        return 1e-3 if task == "lm" else 1e-2
-
-    def _open_window(self) -> None:
-        """Resume the recorded window, or begin a new one (NotEnoughData when there is not enough to train on)."""
-        bound = self.bound
-        recorded = self.store.get_meta("window")
-        if recorded is not None:
-            try:
-                if self._resume_window(recorded):
-                    return
-            except (NotEnoughData, _Interrupted):
-                raise
-            except EdgetrainError as exc:  # every checkpoint damaged, or one this learner cannot take
-                self.events.emit("window_abandoned", window=recorded.get("number"), reason=str(exc))
-                self._window = None
-                self._discard_window_files()
-        model, trainer = self._require_model()
-        with self.store.reading() as connection:
-            generation = self.versions.generation(connection)
-            start = self.versions.start(connection)
-            high_water = self.store.high_water(connection)
-            rows = self.store.rows(high_water, connection)
-            number = int(self.store.get_meta("windows", 0, connection)) + 1
-        train, held_out, held_ids = [], [], []
-        for _, example_id, _, body in rows:
-            try:
-                example = example_from_body(body)
-            except BadExampleError as exc:
-                self._skip(example_id, f"damaged in the store ({exc})")
-                continue
-            if is_held_out(example_id, bound["holdout_every"]):
-                held_out.append(example)
-                held_ids.append(example_id)
-            else:
-                train.append(example)
-        train_records, skipped = trainer.records(model, train)
-        held_records, held_skipped = trainer.records(model, held_out)
-        for example_id, reason in skipped + held_skipped:
-            self._skip(example_id, reason)
-        skipped_ids = {example_id for example_id, _ in skipped}
-        train_ids = [example.id for example in train if example.id not in skipped_ids]
-        if not train_records:
-            raise NotEnoughData(f"no training examples yet ({len(held_out)} held out)")
-        if not held_records:
-            raise NotEnoughData(f"no held-out examples yet to judge a candidate by (one in {bound['holdout_every']} "
-                                f"is held out, chosen by id; {len(train_records)} training examples)")
-        directory = self._window_directory()
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
-        write_snapshot(train_records, directory / "train.jsonl")
-        write_snapshot(held_records, directory / "held_out.jsonl")
-        state = {"number": number, "start": None if start is None else start.version, "generation": generation,
-                 "seed": self.seed * 1_000_003 + number, "steps": self.window_steps, "method": bound["method"],
-                 "backend": self.backend_name, "lr": self._default_lr(bound["kind"]["task"]),
-                 "batch_size": self.batch_size, "seq_len": self.seq_len, "train": len(train_records),
-                 "held_out": len(held_records), "train_ids": train_ids,
-                 "held_out_digest": hashlib.sha256(",".join(sorted(held_ids)).encode()).hexdigest()}
-        self._load_start(state["start"])
-        window = self._build(state)
-        state["reference"] = self._reference(window, state)
-        with self.store.transaction() as connection:
-            if self.versions.generation(connection) != generation:
-                raise _Interrupted()  # forgotten or rolled back meanwhile: begin again
-            self.store.set_meta("window", state, connection)
-            self.store.set_meta("windows", number, connection)
-        self._window = window
-        self.events.emit("window", window=number, start=state["start"] if state["start"] is not None else "base",
-                         train=state["train"], held_out=state["held_out"], metric=trainer.metric,
-                         reference=state["reference"])
-
-    def _build(self, state: dict[str, Any]) -> _Window:
-        model, trainer = self._require_model()
-        directory = self._window_directory()
-        batches = trainer.train_batches(model, directory / "train.jsonl", state["batch_size"], state["seed"])
-        eval_batches = trainer.eval_batches(model, directory / "held_out.jsonl")
-        if not eval_batches:
-            raise NotEnoughData("the held-out examples hold too few tokens for one window")
-        learner = self._learner(state)
-        if not self._measured:  # the memory policy's need before any step is measured: edgetrain's estimate
-            self._need_bytes = trainer.step_estimate(model, batches.batch(0), state["method"])
-        return _Window(state, learner, batches, eval_batches)
-
-    def _resume_window(self, state: dict[str, Any]) -> bool:
-        """Go on with the window a previous run recorded, from its last checkpoint; False (and its files
-        dropped) when it no longer applies."""
-        start = self.versions.start()
-        same = (state.get("generation") == self.versions.generation()
-                and state.get("start") == (None if start is None else start.version)
-                and all(state.get(k) == v for k, v in (("backend", self.backend_name), ("batch_size", self.batch_size),
-                                                        ("seq_len", self.seq_len), ("steps", self.window_steps)))
-                and (self.lr is None or state.get("lr") == self.lr)
-                and (self._window_directory() / "train.jsonl").is_file())
-        if not same:
-            self._discard_window_files()
-            return False
-        self._load_start(state["start"])
-        window = self._build(state)
-        checkpoint = window.learner.resume(self._window_directory() / "checkpoints")
-        window.checkpointed_step = window.learner.steps_done
-        self._window = window
-        self.events.emit("window_resumed", window=state["number"], step=window.learner.steps_done,
-                         checkpoint=None if checkpoint is None else str(checkpoint))
-        return True
-
-    def _reference(self, window: _Window, state: dict[str, Any]) -> float:
-        """The start's held-out metric: cached when the start and the held-out examples are the same as at the
-        last gate, else evaluated now."""
-        cached = self.store.get_meta("reference")
-        key = {"start": state["start"], "held_out_digest": state["held_out_digest"], "seq_len": state["seq_len"]}
-        if cached is not None and {k: cached.get(k) for k in key} == key:
-            return float(cached["value"])
-        value = self._evaluate(window)
-        self.store.set_meta("reference", {**key, "value": value})
-        return value
-
-    def _evaluate(self, window: _Window) -> float:
-        _, trainer = self._require_model()
-
-        def batches() -> Iterator[Any]:
-            for batch in window.eval_batches:
-                if self._interrupted():
-                    raise _Interrupted()
-                yield batch
-
-        return float(window.learner.evaluate(batches())[trainer.metric])
-
-    def _skip(self, example_id: str, reason: str) -> None:
-        if example_id not in self._reported_skips:
-            self._reported_skips.add(example_id)
-            self.events.emit("skipped_example", id=example_id, reason=reason)
-
-    def _step(self, window: _Window, result: RunResult) -> None:
-        from edgetrain.methods.base import TrainingError
-
-        learner = window.learner
-        batch = window.batches.batch(learner.steps_done)
-        try:
-            stats = learner.step(batch)
-        except TrainingError as exc:
-            result.rejected += 1
-            self.events.emit("rejected", window=window.state["number"], reason=f"training failed: {exc}")
-            self._close_window()
-            return
-        result.steps += 1
-        if stats.peak_bytes is not None:  # measured beats estimated: the largest step measured so far
-            self._need_bytes = max(stats.peak_bytes, self._need_bytes if self._measured else 0)
-            self._measured = True
-        self.events.emit("step", window=window.state["number"], step=stats.step, loss=stats.loss,
-                         seconds=stats.seconds, peak_bytes=stats.peak_bytes)
-        if stats.step % self.checkpoint_every == 0 and stats.step < window.state["steps"]:
-            self._checkpoint()
-
-    def _checkpoint(self) -> None:
-        window = self._window
-        if window is None or window.learner.steps_done <= window.checkpointed_step:
-            return
-        path = window.learner.save_rotating(self._window_directory() / "checkpoints")
-        window.checkpointed_step = window.learner.steps_done
-        self.events.emit("checkpoint", window=window.state["number"], step=window.learner.steps_done, path=str(path))
-
-    def _gate(self, window: _Window, result: RunResult) -> None:
-        model, trainer = self._require_model()
-        state = window.state
-        value = self._evaluate(window)
-        reference = state["reference"]
-        promote, better = gate(trainer.higher_is_better, value, reference, self.margin)
-        result.windows += 1
-        self.events.emit("evaluated", window=state["number"], metric=trainer.metric, value=value,
-                         reference=reference, held_out=state["held_out"])
-        common = dict(window=state["number"], metric=trainer.metric, value=value, reference=reference,
-                      by=better, margin=self.margin)
-        if promote:
-            candidate = self._window_directory() / "candidate" / trainer.version_file
-            candidate.parent.mkdir(exist_ok=True)
-            trainer.save(model, candidate)
-            number = self.versions.promote(candidate, parent=state["start"], generation=state["generation"],
-                                           metric=trainer.metric, value=value, reference=reference,
-                                           held_out=state["held_out"], trained=state["train_ids"],
-                                           steps=state["steps"], keep=self.keep_versions)
-            if number is not None:
-                result.promoted.append(number)
-                self.store.set_meta("reference", {"start": number, "held_out_digest": state["held_out_digest"],
-                                                  "seq_len": state["seq_len"], "value": value})
-                self.events.emit("promoted", version=number, **common)
-        else:
-            result.rejected += 1
-            self.events.emit("rejected", **common)
-        self._close_window()
-
-    def _close_window(self) -> None:
-        self._window = None
-        self._discard_window_files()
-
+        return self._runner.run(max_steps, max_seconds, wait)

@@ -1,0 +1,314 @@
+"""A Personaliser's training windows, from opening to the gate (edgetrain.personalise.personaliser has the
+overview).
+
+A window snapshots the examples that are not held out, loads the version it starts from, measures that
+start's held-out metric (the reference), takes `window_steps` steps with a checkpoint every
+`checkpoint_every`, and ends at the gate, which promotes the candidate or rejects it. Windows is the one
+object that holds the open window; the run loop (edgetrain.personalise.runner) decides when it steps.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from edgetrain.personalise.errors import BadExampleError
+from edgetrain.personalise.examples import example_from_body, is_held_out
+from edgetrain.personalise.kinds import NotEnoughData, gate, write_snapshot
+from edgetrain.personalise.store import Store
+from edgetrain.registry import EdgetrainError
+
+if TYPE_CHECKING:
+    from edgetrain.personalise.personaliser import Personaliser
+    from edgetrain.personalise.runner import RunResult
+
+WINDOW = "window"
+
+
+class Interrupted(Exception):
+    """pause() or stop() arrived during an evaluation: it is abandoned and done again later."""
+
+
+@dataclass
+class Window:
+    state: dict[str, Any]
+    learner: Any
+    batches: Any
+    eval_batches: list
+    checkpointed_step: int = 0
+
+
+def window_directory(directory: Path) -> Path:
+    """Where the open window of the store in `directory` keeps its snapshots and checkpoints."""
+    return directory / WINDOW
+
+
+def discard_window_files(directory: Path, store: Store) -> None:
+    shutil.rmtree(window_directory(directory), ignore_errors=True)
+    store.set_meta("window", None)
+
+
+class Windows:
+    """The windows `owner` trains, with the settings it has when each is opened (read off the Personaliser).
+    `interrupted` says whether pause() or stop() arrived: an evaluation then raises Interrupted."""
+
+    def __init__(self, owner: Personaliser, interrupted: Callable[[], bool]) -> None:
+        self.owner = owner
+        self.interrupted = interrupted
+        self.current: Window | None = None
+        self.need_bytes: int | None = None  # the step's memory need, for the policy: measured, else estimated
+        self.measured = False
+        self.reported_skips: set[str] = set()
+        self.data_version: int | None = None
+
+    @property
+    def directory(self) -> Path:
+        return window_directory(self.owner.directory)
+
+    def discard_files(self) -> None:
+        discard_window_files(self.owner.directory, self.owner.store)
+
+    def clean_up(self) -> None:
+        """At the start of a run: drop version directories no row names, and the window files when no window
+        is recorded (a crash between recording and deleting)."""
+        self.owner.versions.remove_orphans()
+        if self.owner.store.get_meta("window") is None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def check_generation(self) -> None:
+        """Abandon the open window when forget() or rollback() (in any process) invalidated it."""
+        owner = self.owner
+        version = owner.store.data_version()
+        if version == self.data_version:
+            return
+        self.data_version = version
+        if self.current is not None and owner.versions.generation() != self.current.state["generation"]:
+            owner.events.emit("window_abandoned", window=self.current.state["number"],
+                              reason="examples were forgotten or the promoted version changed")
+            self.current = None
+            self.discard_files()
+
+    def learner(self, state: dict[str, Any]) -> Any:
+        from edgetrain.learner import Learner
+
+        owner = self.owner
+        model, trainer = owner._require_model()
+        lr = state["lr"]
+        # Steps are measured (a memory probe costs time every step) only for the budget guard; the memory
+        # policy otherwise uses edgetrain's estimate of the step (decoders).
+        return Learner(model, method=state["method"], backend=owner.backend_name, optimizer=owner.optimizer, lr=lr,
+                       seed=state["seed"], memory_budget=owner.memory_budget,
+                       probe=None if owner.memory_budget is not None else False)
+
+    def load_start(self, start: int | None) -> None:
+        owner = self.owner
+        model, trainer = owner._require_model()
+        if start is None:
+            trainer.load(model, owner.directory / owner.bound["base"])
+        else:
+            trainer.load(model, owner.versions.path(owner.versions.get(start)))
+
+    def default_lr(self, task: str) -> float:
+        if self.owner.lr is not None:
+            return self.owner.lr
+        return 1e-3 if task == "lm" else 1e-2
+
+    def open(self) -> None:
+        """Resume the recorded window, or begin a new one (NotEnoughData when there is not enough to train on)."""
+        owner = self.owner
+        bound = owner.bound
+        recorded = owner.store.get_meta("window")
+        if recorded is not None:
+            try:
+                if self.resume(recorded):
+                    return
+            except (NotEnoughData, Interrupted):
+                raise
+            except EdgetrainError as exc:  # every checkpoint damaged, or one this learner cannot take
+                owner.events.emit("window_abandoned", window=recorded.get("number"), reason=str(exc))
+                self.current = None
+                self.discard_files()
+        model, trainer = owner._require_model()
+        with owner.store.reading() as connection:
+            generation = owner.versions.generation(connection)
+            start = owner.versions.start(connection)
+            high_water = owner.store.high_water(connection)
+            rows = owner.store.rows(high_water, connection)
+            number = int(owner.store.get_meta("windows", 0, connection)) + 1
+        train, held_out, held_ids = [], [], []
+        for _, example_id, _, body in rows:
+            try:
+                example = example_from_body(body)
+            except BadExampleError as exc:
+                self.skip(example_id, f"damaged in the store ({exc})")
+                continue
+            if is_held_out(example_id, bound["holdout_every"]):
+                held_out.append(example)
+                held_ids.append(example_id)
+            else:
+                train.append(example)
+        train_records, skipped = trainer.records(model, train)
+        held_records, held_skipped = trainer.records(model, held_out)
+        for example_id, reason in skipped + held_skipped:
+            self.skip(example_id, reason)
+        skipped_ids = {example_id for example_id, _ in skipped}
+        train_ids = [example.id for example in train if example.id not in skipped_ids]
+        if not train_records:
+            raise NotEnoughData(f"no training examples yet ({len(held_out)} held out)")
+        if not held_records:
+            raise NotEnoughData(f"no held-out examples yet to judge a candidate by (one in {bound['holdout_every']} "
+                                f"is held out, chosen by id; {len(train_records)} training examples)")
+        directory = self.directory
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        write_snapshot(train_records, directory / "train.jsonl")
+        write_snapshot(held_records, directory / "held_out.jsonl")
+        state = {"number": number, "start": None if start is None else start.version, "generation": generation,
+                 "seed": owner.seed * 1_000_003 + number, "steps": owner.window_steps, "method": bound["method"],
+                 "backend": owner.backend_name, "lr": self.default_lr(bound["kind"]["task"]),
+                 "batch_size": owner.batch_size, "seq_len": owner.seq_len, "train": len(train_records),
+                 "held_out": len(held_records), "train_ids": train_ids,
+                 "held_out_digest": hashlib.sha256(",".join(sorted(held_ids)).encode()).hexdigest()}
+        self.load_start(state["start"])
+        window = self.build(state)
+        state["reference"] = self.reference(window, state)
+        with owner.store.transaction() as connection:
+            if owner.versions.generation(connection) != generation:
+                raise Interrupted()  # forgotten or rolled back meanwhile: begin again
+            owner.store.set_meta("window", state, connection)
+            owner.store.set_meta("windows", number, connection)
+        self.current = window
+        owner.events.emit("window", window=number, start=state["start"] if state["start"] is not None else "base",
+                          train=state["train"], held_out=state["held_out"], metric=trainer.metric,
+                          reference=state["reference"])
+
+    def build(self, state: dict[str, Any]) -> Window:
+        model, trainer = self.owner._require_model()
+        directory = self.directory
+        batches = trainer.train_batches(model, directory / "train.jsonl", state["batch_size"], state["seed"])
+        eval_batches = trainer.eval_batches(model, directory / "held_out.jsonl")
+        if not eval_batches:
+            raise NotEnoughData("the held-out examples hold too few tokens for one window")
+        learner = self.learner(state)
+        if not self.measured:  # the memory policy's need before any step is measured: edgetrain's estimate
+            self.need_bytes = trainer.step_estimate(model, batches.batch(0), state["method"])
+        return Window(state, learner, batches, eval_batches)
+
+    def resume(self, state: dict[str, Any]) -> bool:
+        """Go on with the window a previous run recorded, from its last checkpoint; False (and its files
+        dropped) when it no longer applies."""
+        owner = self.owner
+        start = owner.versions.start()
+        same = (state.get("generation") == owner.versions.generation()
+                and state.get("start") == (None if start is None else start.version)
+                and all(state.get(k) == v for k, v in (("backend", owner.backend_name),
+                                                        ("batch_size", owner.batch_size),
+                                                        ("seq_len", owner.seq_len), ("steps", owner.window_steps)))
+                and (owner.lr is None or state.get("lr") == owner.lr)
+                and (self.directory / "train.jsonl").is_file())
+        if not same:
+            self.discard_files()
+            return False
+        self.load_start(state["start"])
+        window = self.build(state)
+        checkpoint = window.learner.resume(self.directory / "checkpoints")
+        window.checkpointed_step = window.learner.steps_done
+        self.current = window
+        owner.events.emit("window_resumed", window=state["number"], step=window.learner.steps_done,
+                          checkpoint=None if checkpoint is None else str(checkpoint))
+        return True
+
+    def reference(self, window: Window, state: dict[str, Any]) -> float:
+        """The start's held-out metric: cached when the start and the held-out examples are the same as at the
+        last gate, else evaluated now."""
+        store = self.owner.store
+        cached = store.get_meta("reference")
+        key = {"start": state["start"], "held_out_digest": state["held_out_digest"], "seq_len": state["seq_len"]}
+        if cached is not None and {k: cached.get(k) for k in key} == key:
+            return float(cached["value"])
+        value = self.evaluate(window)
+        store.set_meta("reference", {**key, "value": value})
+        return value
+
+    def evaluate(self, window: Window) -> float:
+        _, trainer = self.owner._require_model()
+
+        def batches() -> Iterator[Any]:
+            for batch in window.eval_batches:
+                if self.interrupted():
+                    raise Interrupted()
+                yield batch
+
+        return float(window.learner.evaluate(batches())[trainer.metric])
+
+    def skip(self, example_id: str, reason: str) -> None:
+        if example_id not in self.reported_skips:
+            self.reported_skips.add(example_id)
+            self.owner.events.emit("skipped_example", id=example_id, reason=reason)
+
+    def step(self, window: Window, result: RunResult) -> None:
+        from edgetrain.methods.base import TrainingError
+
+        events = self.owner.events
+        learner = window.learner
+        batch = window.batches.batch(learner.steps_done)
+        try:
+            stats = learner.step(batch)
+        except TrainingError as exc:
+            result.rejected += 1
+            events.emit("rejected", window=window.state["number"], reason=f"training failed: {exc}")
+            self.close()
+            return
+        result.steps += 1
+        if stats.peak_bytes is not None:  # measured beats estimated: the largest step measured so far
+            self.need_bytes = max(stats.peak_bytes, self.need_bytes if self.measured else 0)
+            self.measured = True
+        events.emit("step", window=window.state["number"], step=stats.step, loss=stats.loss,
+                    seconds=stats.seconds, peak_bytes=stats.peak_bytes)
+        if stats.step % self.owner.checkpoint_every == 0 and stats.step < window.state["steps"]:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        window = self.current
+        if window is None or window.learner.steps_done <= window.checkpointed_step:
+            return
+        path = window.learner.save_rotating(self.directory / "checkpoints")
+        window.checkpointed_step = window.learner.steps_done
+        self.owner.events.emit("checkpoint", window=window.state["number"], step=window.learner.steps_done,
+                               path=str(path))
+
+    def gate(self, window: Window, result: RunResult) -> None:
+        owner = self.owner
+        model, trainer = owner._require_model()
+        state = window.state
+        value = self.evaluate(window)
+        reference = state["reference"]
+        promote, better = gate(trainer.higher_is_better, value, reference, owner.margin)
+        result.windows += 1
+        owner.events.emit("evaluated", window=state["number"], metric=trainer.metric, value=value,
+                          reference=reference, held_out=state["held_out"])
+        common = dict(window=state["number"], metric=trainer.metric, value=value, reference=reference,
+                      by=better, margin=owner.margin)
+        if promote:
+            candidate = self.directory / "candidate" / trainer.version_file
+            candidate.parent.mkdir(exist_ok=True)
+            trainer.save(model, candidate)
+            number = owner.versions.promote(candidate, parent=state["start"], generation=state["generation"],
+                                            metric=trainer.metric, value=value, reference=reference,
+                                            held_out=state["held_out"], trained=state["train_ids"],
+                                            steps=state["steps"], keep=owner.keep_versions)
+            if number is not None:
+                result.promoted.append(number)
+                owner.store.set_meta("reference", {"start": number, "held_out_digest": state["held_out_digest"],
+                                                   "seq_len": state["seq_len"], "value": value})
+                owner.events.emit("promoted", version=number, **common)
+        else:
+            result.rejected += 1
+            owner.events.emit("rejected", **common)
+        self.close()
+
+    def close(self) -> None:
+        self.current = None
+        self.discard_files()
