@@ -214,3 +214,16 @@ def plan_lw(num_units: int, *, head_blocks: int = 0, segments: int | None = None
     stages.append(Stage(index=len(sizes), start=num_units, end=num_units, trains_embed=False, bridge=False,
                         tail_start=num_units, trains_head=True, num_units=num_units))
     return StagePlan("lw", num_units, 0, tuple(sizes), tuple(stages))
+
+
+def plan_stages(name: str, num_units: int, *, head_blocks: int | None = None, segments: int | None = None,
+                split: Sequence[int] | None = None, prefix: int | None = None,
+                costs: Sequence[tuple[float, float]] | None = None) -> StagePlan:
+    """The plan of staged method `name` ("segprop" or "lw"); head_blocks None = its default (1 or 0)."""
+    if name == "segprop":
+        return plan_segprop(num_units, head_blocks=1 if head_blocks is None else head_blocks,
+                            segments=segments, split=split, prefix=prefix, costs=costs)
+    if name == "lw":
+        return plan_lw(num_units, head_blocks=0 if head_blocks is None else head_blocks,
+                       segments=segments, split=split, prefix=prefix, costs=costs)
+    raise EdgetrainError(f"unknown staged method {name!r}")

@@ -126,3 +126,18 @@ class StageClock:
         self.total_step = int(state["total_step"])
         self.finished = bool(state.get("finished", False))
         self.plateau.load(list(state.get("plateau", [None, 0, 0.0, 0])))
+
+
+def make_clock(name: str, count: int, steps_per_stage: int | Sequence[int] | None, plateau_window: int,
+               plateau_patience: int, plateau_min_delta: float, lr_schedule: str, warmup_steps: int,
+               min_lr_ratio: float, head_lr_scale: float) -> StageClock:
+    """The clock of `count` stages from the trainer's options (StagedTrainer's docstring), checked."""
+    budgets = stage_budgets(name, steps_per_stage, count)
+    if lr_schedule not in LR_SCHEDULES:
+        raise EdgetrainError(f"{name}: unknown lr_schedule {lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
+    if lr_schedule == "cosine" and any(b is None for b in budgets):
+        raise EdgetrainError(f"{name}: lr_schedule='cosine' needs steps_per_stage (the length of each cosine)")
+    if plateau_window < 0 or plateau_patience < 0 or (plateau_window > 0) != (plateau_patience > 0):
+        raise EdgetrainError(f"{name}: plateau_window and plateau_patience go together (both > 0)")
+    return StageClock(budgets, Plateau(int(plateau_window), int(plateau_patience), float(plateau_min_delta)),
+                      lr_schedule, int(warmup_steps), float(min_lr_ratio), float(head_lr_scale))

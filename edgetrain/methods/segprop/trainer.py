@@ -15,8 +15,8 @@ the plain model, whose forward is the assembled blocks.
 Only parameters that were trainable when the method was built ever train (LoRA: the adapters inside
 the active segment and the head; the base weights stay frozen).
 
-The schedule, the stage parts, the frozen prefix, the eval() pins and evaluation each have a module of
-their own (edgetrain/methods/segprop/__init__.py lists them); this class ties them into one method.
+The schedule, the stage parts, the frozen prefix, the eval() pins, evaluation and the backward split at
+the head each have a module of their own (segprop/__init__.py lists them); this class ties them together.
 """
 from __future__ import annotations
 
@@ -29,14 +29,16 @@ from edgetrain.data.batch import Batch
 from edgetrain.logs import get_logger
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import NonFiniteError, require_finite
+from edgetrain.methods.segprop import head_last
 from edgetrain.methods.segprop.eval_pins import unpin_eval
 from edgetrain.methods.segprop.evaluation import path_forward
-from edgetrain.methods.segprop.plan import Stage, StagePlan, plan_lw, plan_segprop
+from edgetrain.methods.segprop.plan import Stage, StagePlan, plan_stages
 from edgetrain.methods.segprop.prefix_cache import FrozenPrefix, make_snapcheck
-from edgetrain.methods.segprop.schedule import LR_SCHEDULES, Plateau, StageClock, stage_budgets
+from edgetrain.methods.segprop.schedule import make_clock
 from edgetrain.methods.segprop.snapcheck import SnapCheck
 from edgetrain.methods.segprop.stage_parts import ActivePath, StageParts, build_bridges, module_params, unique
-from edgetrain.methods.segprop.views import UnitView, probe_activation_bytes, probe_specs, unit_view
+from edgetrain.methods.segprop.views import (UnitView, model_device_dtype, probe_activation_bytes, probe_input,
+                                             probe_specs, unit_view)
 from edgetrain.registry import EdgetrainError
 
 log = get_logger(__name__)
@@ -67,7 +69,7 @@ class StagedTrainer:
       checkpoint      activation checkpointing of every active unit and head unit
       head_grads_last segprop: split each step's backward at the global head, so that the head's
                       parameter gradients are computed after the segment's backward instead of before
-                      it (_backward_head_last); same updates, lower peak when the head's trainable
+                      it (head_last.py); same updates, lower peak when the head's trainable
                       weights outweigh the activations it saves (a CNN whose head holds most weights);
                       not for LoRA heads or large vocabularies, where the opposite holds
       snapcheck       cache frozen-prefix outputs (snapcheck.py): `snapcheck_budget` in memory (None =
@@ -100,36 +102,16 @@ class StagedTrainer:
                                  "method is attached; call its finish() first)")
         self.view: UnitView = unit_view(model, view)
         n = len(self.view)
-        device, dtype = self._device_dtype()
-        if example_input is None:
-            from edgetrain.models.zoo import example_input as zoo_example
-
-            example_input = zoo_example(model, 2, 8)
-        if isinstance(example_input, torch.Tensor):
-            # Features and images in the model's dtype: a float64 or bf16 model refuses float32 inputs.
-            example_input = example_input.to(device, dtype=dtype if example_input.is_floating_point() else None)
+        device, dtype = model_device_dtype(model)
+        example_input = probe_input(model, example_input, device, dtype)
         if balance not in BALANCES:
             raise EdgetrainError(f"{name}: unknown balance {balance!r}; known: {', '.join(BALANCES)}")
         self.unit_costs = probe_activation_bytes(self.view, example_input) if balance == "memory" else None
-        if name == "segprop":
-            self.plan: StagePlan = plan_segprop(n, head_blocks=1 if head_blocks is None else head_blocks,
-                                                segments=segments, split=split, prefix=prefix,
-                                                costs=self.unit_costs)
-        elif name == "lw":
-            self.plan = plan_lw(n, head_blocks=0 if head_blocks is None else head_blocks,
-                                segments=segments, split=split, prefix=prefix, costs=self.unit_costs)
-        else:
-            raise EdgetrainError(f"unknown staged method {name!r}")
+        self.plan: StagePlan = plan_stages(name, n, head_blocks=head_blocks, segments=segments, split=split,
+                                           prefix=prefix, costs=self.unit_costs)
         self.stages = self.plan.stages
-        budgets = stage_budgets(name, steps_per_stage, len(self.stages))
-        if lr_schedule not in LR_SCHEDULES:
-            raise EdgetrainError(f"{name}: unknown lr_schedule {lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
-        if lr_schedule == "cosine" and any(b is None for b in budgets):
-            raise EdgetrainError(f"{name}: lr_schedule='cosine' needs steps_per_stage (the length of each cosine)")
-        if plateau_window < 0 or plateau_patience < 0 or (plateau_window > 0) != (plateau_patience > 0):
-            raise EdgetrainError(f"{name}: plateau_window and plateau_patience go together (both > 0)")
-        self.clock = StageClock(budgets, Plateau(int(plateau_window), int(plateau_patience), float(plateau_min_delta)),
-                                lr_schedule, int(warmup_steps), float(min_lr_ratio), float(head_lr_scale))
+        self.clock = make_clock(name, len(self.stages), steps_per_stage, plateau_window, plateau_patience,
+                                plateau_min_delta, lr_schedule, warmup_steps, min_lr_ratio, head_lr_scale)
 
         self.trainable_at_start = {id(p) for p in model.parameters() if p.requires_grad}
         if not self.trainable_at_start:
@@ -139,9 +121,7 @@ class StagedTrainer:
         self.adapters = build_bridges(name, self.plan, self.view, self.specs, self.num_outputs, model, adapter,
                                       adapters or {}, device, dtype, aux_head)
         self.parts = StageParts(self.view, self.adapters, bool(checkpoint))
-        if not isinstance(head_grads_last, bool):
-            raise EdgetrainError(f"{name}: head_grads_last must be true or false, got {head_grads_last!r}")
-        self.head_grads_last = head_grads_last
+        self.head_grads_last = head_last.check_option(name, head_grads_last)
         # Attached so that the learner's parameter list, optimizer and checkpoints include them.
         setattr(model, ADAPTERS_ATTRIBUTE, self.adapters)
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -170,12 +150,6 @@ class StagedTrainer:
         self._head_params: list[nn.Parameter] = []
         self._path: ActivePath | None = None
         self._head_grad_params: list[nn.Parameter] = []
-
-    def _device_dtype(self) -> tuple[torch.device, torch.dtype]:
-        for param in self.model.parameters():
-            if param.is_floating_point():
-                return param.device, param.dtype
-        return torch.device("cpu"), torch.float32
 
     def _name_of(self, param: nn.Parameter) -> str:
         return self._names.get(id(param)) or next((n for n, p in self.model.named_parameters() if p is param), "?")
@@ -281,32 +255,9 @@ class StagedTrainer:
     # -- one step -----------------------------------------------------------------------------------
 
     def _splits_backward(self) -> bool:
-        """Whether this stage's steps use _backward_head_last. Not for lw (no persistent head), nor with
-        checkpointing (the head units would be recomputed, and their BatchNorm statistics updated, once
-        more), nor under a distributed wrapper (its gradient reduction expects one backward per step)."""
-        return (self.head_grads_last and self.name == "segprop" and not self.parts.checkpointed
-                and self.wrap_active is None and bool(self._body_params) and bool(self._head_grad_params))
-
-    def _backward_head_last(self, loss: torch.Tensor, head_input: list[torch.Tensor]) -> None:
-        """loss.backward() in three parts, so that the head's parameter gradients do not exist while the
-        segment's activations do: (1) the gradient of the state entering the head units, keeping the
-        head's graph; (2) the segment's backward from there, which frees the segment's activations;
-        (3) the head's parameter gradients. Autograd computes in each part only what that part needs,
-        so the weight gradients are computed once and equal those of one backward (a tied parameter
-        gets its two shares in two accumulations: equal up to the order of one addition); the
-        activation-gradient ops of the head run twice. The head's saved activations live until (3).
-        `head_input` is emptied: the caller keeps no reference through the segment's backward."""
-        tensors = list(head_input)
-        head_input.clear()
-        grads = torch.autograd.grad(loss, tensors, retain_graph=True, allow_unused=True) if tensors else ()
-        reached = [(t, g) for t, g in zip(tensors, grads) if g is not None]
-        del tensors, grads
-        if not reached:  # nothing trainable before the head: one ordinary backward
-            loss.backward()
-            return
-        torch.autograd.backward([t for t, _ in reached], [g for _, g in reached])
-        del reached
-        loss.backward(inputs=self._head_grad_params)
+        """Whether this stage's steps split the backward at the global head (head_last.applies)."""
+        return head_last.applies(self.head_grads_last, self.name, self.parts.checkpointed, self.wrap_active is not None,
+                                 self._body_params, self._head_grad_params)
 
     def frozen_state(self, batch: Batch) -> Any:
         """The committed prefix's output for `batch` (detached), from SnapCheck when it holds it."""
@@ -349,14 +300,11 @@ class StagedTrainer:
         self._require_open(optimizer)
         optimizer.zero_grad(set_to_none=True)
         loss = self.forward_loss(batch)
-        split = self._path is not None and self._path.keep_head_input
-        # Taken before anything can raise: a head input left on the path would keep the graph alive.
-        head_input = self._path.take_head_input() if split and self._path is not None else []
+        # Taken before anything can raise: a head input left on the path would keep the graph alive. There
+        # is one only where the stage splits its backward (head_last.py); without, one ordinary backward.
+        head_input = self._path.take_head_input() if self._path is not None else []
         require_finite(float(loss.detach()), "loss")
-        if split:
-            self._backward_head_last(loss, head_input)
-        else:
-            loss.backward()
+        head_last.backward(loss, head_input, self._head_grad_params)
         self._update(optimizer)
         reduced = self.reduce_loss(loss.detach())
         if self.clock.tick(float(reduced)):

@@ -106,6 +106,27 @@ def state_spec(state: Any) -> Spec:
                          "tuples of tensors between units")
 
 
+def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of the model's first floating-point parameter (CPU float32 when it has none)."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.device, param.dtype
+    return torch.device("cpu"), torch.float32
+
+
+def probe_input(model: nn.Module, example: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """The input the probes below run on: `example`, or edgetrain.models.zoo.example_input(model, 2, 8)
+    when None; a tensor goes to `device`, a floating-point one also to `dtype`."""
+    if example is None:
+        from edgetrain.models.zoo import example_input as zoo_example
+
+        example = zoo_example(model, 2, 8)
+    if isinstance(example, torch.Tensor):
+        # Features and images in the model's dtype: a float64 or bf16 model refuses float32 inputs.
+        example = example.to(device, dtype=dtype if example.is_floating_point() else None)
+    return example
+
+
 @torch.no_grad()
 def probe_specs(view: UnitView, example: Any) -> tuple[list[Spec], torch.Size]:
     """The shape of the state after the embedding (index 0) and after every unit (index i + 1), and of
