@@ -1,0 +1,244 @@
+"""Crash-safe writes of files and directories: a crash at any moment leaves the old version or the new one.
+
+A reader never sees a torn write. Files are written to a temp sibling, fsynced and renamed over the target;
+directories whose files must match (an adapter's weights and config, ONNX Runtime's artifacts) are built in
+a temp sibling and swapped in whole (`atomic_write_directory`). Temps left by killed writers are cleaned up
+on the next save. Checksummed checkpoints on top of these writes live in edgetrain.checkpoint.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from edgetrain.registry import EdgetrainError
+
+
+# Temp names carry the writer's pid, so the next save of the same path can tell a temp left by a killed
+# writer (removed) from one a live writer is still filling (kept).
+
+def _temp_pattern(name: str, suffix: str) -> re.Pattern[str]:
+    # .NAME.PID.8HEX.SUFFIX: no other file's temp matches (the 8 hex digits hold no dot).
+    return re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}{re.escape(suffix)}")
+
+
+def _make_temp(path: Path, suffix: str, directory: bool) -> Path:
+    """A new temp sibling of `path`, created with mode 0666/0777 less the umask (mkstemp's are 0600/0700)."""
+    while True:
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+        try:
+            if directory:
+                os.mkdir(tmp, 0o777)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path, suffix: str, name_pattern: str | None = None) -> None:
+    """Remove the temps of `path` (or, with `name_pattern`, of every sibling whose name matches it) that
+    were left by writers no longer alive."""
+    pattern = (_temp_pattern(path.name, suffix) if name_pattern is None else
+               re.compile(rf"\.{name_pattern}\.(\d+)\.[0-9a-f]{{8}}{re.escape(suffix)}"))
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match and not _pid_alive(int(match.group(match.lastindex))):
+            _remove(Path(entry.path))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
+    """Replace file `path` by what `fill(temp_path)` writes there, so that a crash at any moment leaves the
+    old file or the complete new one (for writers that want a path rather than bytes: GGUF, big files)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path, ".tmp")
+    tmp_name = _make_temp(path, ".tmp", directory=False)
+    try:
+        if path.is_file():
+            shutil.copymode(path, tmp_name)
+        fill(tmp_name)
+        descriptor = os.open(tmp_name, os.O_RDONLY)  # fsync needs no write access, only the file
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def atomic_write_bytes(data: bytes, path: str | Path) -> Path:
+    """Write `data` to `path` so that a crash at any moment leaves the old file or the complete new one."""
+    return atomic_write_file(path, lambda tmp: tmp.write_bytes(data))
+
+
+def atomic_write_json(value: Any, path: str | Path, indent: int | None = 1) -> Path:
+    return atomic_write_bytes(json.dumps(value, indent=indent).encode("utf-8"), path)
+
+
+def atomic_torch_save(value: Any, path: str | Path) -> Path:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return atomic_write_bytes(buffer.getvalue(), path)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_directory(Path(root))
+
+
+def _backup_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.old"
+
+
+def readable_directory(path: str | Path) -> Path:
+    """Where the complete contents of a directory written by atomic_write_directory are: `path`, or, after
+    a crash that fell between the swap's two renames, the previous version it was moved aside to."""
+    path = Path(path)
+    backup = _backup_path(path)
+    return backup if not path.exists() and backup.is_dir() else path
+
+
+def _recover_directory(path: Path) -> None:
+    backup = _backup_path(path)
+    if backup.is_dir():
+        if path.exists():  # the swap finished; removing the old version did not
+            shutil.rmtree(backup, ignore_errors=True)
+        else:  # killed between the renames: put the previous complete version back
+            os.replace(backup, path)
+    remove_stale_temps(path, ".tmpdir")
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Entries of the old directory that the writer did not write itself (a user's other files) go into
+    the new one as hard links or copies: the old directory stays complete until the swap."""
+    for entry in os.scandir(old):
+        target = new / entry.name
+        if os.path.lexists(target):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        elif entry.is_dir():
+            shutil.copytree(entry.path, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry.path, str(target))
+
+
+def atomic_write_directory(path: str | Path, fill: Callable[[Path], object]) -> Path:
+    """Replace directory `path` by what `fill(temp_dir)` writes, as one step: a reader sees the old
+    contents or the complete new ones, never a mix (files of the old directory that `fill` does not write
+    are kept). The new directory is built in a temp sibling, then swapped in by two renames:
+    path -> .NAME.old, temp -> path. A crash between them leaves .NAME.old complete; readers use it
+    (readable_directory) and the next save of `path` renames it back before anything else."""
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _recover_directory(path)
+    tmp = _make_temp(path, ".tmpdir", directory=True)
+    backup = _backup_path(path)
+    moved_aside = False
+    try:
+        if path.is_dir():
+            shutil.copymode(path, tmp)
+        fill(tmp)
+        if path.is_dir():
+            _carry_over(path, tmp)
+        _fsync_tree(tmp)
+        if path.is_dir():
+            os.replace(path, backup)
+            moved_aside = True
+        os.replace(tmp, path)
+        moved_aside = False
+    except BaseException:
+        if moved_aside and not path.exists():
+            os.replace(backup, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_directory(path.parent)
+    shutil.rmtree(backup, ignore_errors=True)
+    return path
+
+
+def ensure_writable_directory(directory: str | Path, what: str) -> Path:
+    """`directory`, created if absent, after proving a file can be written in it: a run finds out that its
+    checkpoints or its adapter cannot be saved before it trains, not at the first save."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = _make_temp(directory / ".write-test", ".tmp", directory=False)
+        probe.unlink()
+    except OSError as exc:
+        raise EdgetrainError(f"{what} {directory} is not a writable directory ({exc.strerror or exc})") from None
+    return directory
+
+
+def ensure_writable_target(path: str | Path, what: str, directory: bool = False) -> Path:
+    """Check before any work that `path` can be saved: its parent is a writable directory and `path` is not
+    already something else (a directory where a file goes, or the reverse)."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        kind = "a directory" if path.is_dir() else "a file"
+        raise EdgetrainError(f"{what} {path} is {kind}; it must be {'a directory' if directory else 'a file'}")
+    ensure_writable_directory(path.parent, f"the directory of {what}")
+    return path
