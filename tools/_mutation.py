@@ -48,7 +48,7 @@ KILLS_OF = "tests/promises/test_mutation_kills_{}.py"
 NON_FINITE = "tests/reliability/test_non_finite.py"
 
 TARGETS: dict[str, Target] = {
-    "checkpoint": Target(["edgetrain/checkpoint.py"], [
+    "checkpoint": Target(["edgetrain/checkpoint.py", "edgetrain/atomic_files.py"], [
         KILLS, "tests/reliability/test_crash_safe_saves.py",
         "tests/reliability/test_fuzz_loaders.py::test_damaged_learner_checkpoint_is_detected",
         "tests/test_learner.py::test_save_load_resumes_exactly",
