@@ -6,18 +6,17 @@
     learner.fit(stream, max_steps=100, checkpoint_every=20, checkpoint_dir="ckpt")
 
 Everything else (how a gradient is produced) belongs to the method; where memory is read belongs to
-the probe; where tensors live belongs to the backend.
+the probe; where tensors live belongs to the backend. The first-step memory-budget guard, the checkpoint
+payload and the stream loop are their own modules (budget_guard, learner_state, fit_loop).
 """
 from __future__ import annotations
 
-import copy
-import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -25,55 +24,31 @@ from torch import nn
 from edgetrain import backends as _backends  # noqa: F401  (registers backends)
 from edgetrain import methods as _methods  # noqa: F401  (registers methods)
 from edgetrain.backends import Backend, get_backend
-from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensors, check_counters,
-                                  ensure_writable_directory, flatten_optimizer_state, load_latest_good,
-                                  load_safetensors_checked, metadata_json, rotating_checkpoint_paths,
-                                  save_rotating, unflatten_optimizer_state)
+from edgetrain.budget_guard import FALLBACK_ORDER  # noqa: F401  (re-exported: MLXLearner)
+from edgetrain.budget_guard import (MemoryBudgetError, budget_message, first_step_within_budget, measure_undone_step,
+                                    resolve_memory_budget)
+from edgetrain.budget_report import StepFigure
+from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensors, check_counters, load_latest_good,
+                                  load_safetensors_checked, metadata_json, rotating_checkpoint_paths, save_rotating,
+                                  unflatten_optimizer_state)
 from edgetrain.data.batch import Batch
-from edgetrain.data.fingerprint import check_same_data
 from edgetrain.data.validate import batch_expectations, validate_batch
+from edgetrain.finite_steps import FiniteOptimizerSteps
+from edgetrain.fit_loop import fit_stream
+from edgetrain.fit_loop import format_progress, stats_dict  # noqa: F401  (re-exported)
+from edgetrain.learner_state import CHECKPOINT_FORMAT, apply_restored, checkpoint_payload
 from edgetrain.logs import get_logger
 from edgetrain.losses import task_loss
-from edgetrain.finite_steps import FiniteOptimizerSteps
-from edgetrain.budget_report import StepFigure, lower_memory_methods, rank_methods, refusal_message
-from edgetrain.memory_estimate import first_slice_over_budget
 from edgetrain.memory_sizes import parse_bytes
 from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
-from edgetrain.progress import progress_bar
-from edgetrain.probes.base import settle_memory
 from edgetrain.registry import EdgetrainError
 from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
-from edgetrain.step_estimates import estimate_step_bytes
 from edgetrain.step_memory import StepMemory
 
 log = get_logger(__name__)
 
-CHECKPOINT_FORMAT = "edgetrain-learner-1"
 __all__ = ["Learner", "MemoryBudgetError", "StepStats", "TrainingError", "parse_bytes"]
-
-
-class MemoryBudgetError(TrainingError):
-    """The measured first step does not fit the memory budget."""
-
-
-def resolve_memory_budget(memory_budget: int | str | None, target: str | None) -> tuple[int | None, str]:
-    """(budget in bytes or None, where it came from for messages). An explicit `memory_budget` overrides
-    the device profile's; the profile is still loaded, so an unknown target is an error either way."""
-    profile = None
-    if target is not None:
-        from edgetrain.targets import load_target
-
-        profile = load_target(target)
-    if memory_budget is not None:
-        return parse_bytes(memory_budget), ""
-    if profile is not None:
-        return profile.memory_budget_bytes, f" of target {profile.name!r}"
-    return None, ""
-
-
-# Lower-memory methods to fall back to, best first (exact gradients before estimates).
-FALLBACK_ORDER = ("mebp", "mesp", "mezo")
 
 
 @dataclass
@@ -276,100 +251,16 @@ class Learner:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _first_step_within_budget(self, batch: Batch) -> StepStats:
-        """Measure the first step; refuse it, undone, when the memory it adds does not fit what the budget
-        leaves beside the weights (or switch to the next allowed method and measure again).
-
-        What is charged. The budget is the device's allowance for one training process (a device
-        profile's memory_budget_mib: "weights included, leaving room for the OS and the app"). Training
-        holds two things in it: the weights, and what a step adds while it runs.
-        - The weights are charged once, at their full size (parameters and buffers), however they are
-          held: in the process's own memory, or memory-mapped from the checkpoint (safetensors), resident
-          or not yet read. The first forward reads all of them, so a device that trains must hold them.
-        - The step is charged what it adds above the memory held before it (StepStats.peak_bytes;
-          edgetrain/step_memory.py). Pages the step maps in from the weights' file are not step memory:
-          charging them too counted memory-mapped weights twice and refused a step that fits (SmolLM2-135M
-          from safetensors: mesp "needed" 1,046 MiB against a 622 MiB budget, where weights 522 MiB + the
-          30 MiB its step adds fit).
-        - What the process held before the weights -- the interpreter, torch's libraries, allocator
-          caches -- is not charged: it is the app's share of the device, the same whichever method runs,
-          and charging it would make one budget mean different things in a notebook and in a lean script
-          (and in the exported runtime a phone runs).
-        So a step is refused when weights + what it adds > budget: when what it adds does not fit what
-        the budget leaves beside the weights. The refusal ranks the methods by the memory their step adds
-        (measured where they ran, estimated from the model's shape where not: edgetrain/step_estimates.py)."""
-        tried: list[StepFigure] = []
-        while True:
-            over = first_slice_over_budget(self._measure_undone_step, batch, self.weights_bytes,
-                                           self.memory_budget)
-            if over is not None:
-                tried.append(StepFigure(self.method_name, over.needed_bytes - self.weights_bytes, measured=True,
-                                        slice_tokens=over.slice_tokens, batch_tokens=over.batch_tokens))
-            else:
-                snapshot = self._snapshot()
-                self._budget_checked = True
-                settle_memory()
-                self._step_probe = self._budget_probe
-                try:
-                    stats = self.step(batch)
-                finally:
-                    self._step_probe = self.probe
-                added = stats.peak_bytes or 0
-                if self.weights_bytes + added <= self.memory_budget:
-                    return stats
-                self._restore_snapshot(snapshot)
-                self.steps_done -= 1
-                tried.append(StepFigure(self.method_name, added, measured=True))
-            candidates = [m for m in self.fallback_methods if m not in {figure.method for figure in tried}]
-            if not candidates:
-                raise MemoryBudgetError(self._budget_message(batch, self._budget_probe.name, tried))
-            self._use_method(candidates[0])
-            log.warning("%s adds more than the %s MiB the budget leaves beside the weights; falling back to %s",
-                        tried[-1].describe(), f"{max(0, self.memory_budget - self.weights_bytes) / 2**20:,.1f}",
-                        self.method_name)
-            self._budget_checked = False
+        """Measure the first step against the memory budget (edgetrain/budget_guard.py says what is charged);
+        over it, undo the step and fall back to an allowed method or raise MemoryBudgetError."""
+        return first_step_within_budget(self, batch)
 
     def _measure_undone_step(self, batch: Batch) -> int | None:
-        """What one step on `batch` adds (StepStats.peak_bytes), measured by the budget probe, then undone
-        entirely: weights, optimizer and method state, RNG, running statistics and counters are as before.
-        None when the step cannot run on this batch (the full step will then say why)."""
-        snapshot, side_state = self._snapshot(), self._side_state()
-        method_state = copy.deepcopy(self.method.state_dict())
-        counters = (self.steps_done, self.stream_position)
-        self._budget_checked = True
-        settle_memory()
-        self._step_probe = self._budget_probe
-        try:
-            return self.step(batch).peak_bytes
-        except EdgetrainError:
-            return None
-        finally:
-            self._step_probe = self.probe
-            self._budget_checked = False
-            self._restore_snapshot(snapshot)
-            self._restore_side_state(side_state)
-            self.method.load_state_dict(method_state)
-            self.steps_done, self.stream_position = counters
-            self.optimizer.zero_grad(set_to_none=True)
+        """What one step on `batch` adds, measured by the budget probe, then undone entirely."""
+        return measure_undone_step(self, batch)
 
     def _budget_message(self, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
-        candidates = {*FALLBACK_ORDER, "bp", *(figure.method for figure in tried)}
-        estimates = {name: estimate_step_bytes(self.model, batch, name)
-                     for name in sorted(candidates) if name in METHODS}
-        ranked = rank_methods(tried, estimates)
-        suggestions = []
-        lower = lower_memory_methods(tried, ranked, FALLBACK_ORDER, METHODS.names())
-        if lower:
-            suggestions.append(f"a lower-memory method ({', '.join(lower)}; allow it with fallback_methods=)")
-        if batch.inputs.dim() >= 2 and getattr(self.model, "task", None) == "lm":
-            suggestions.append(f"a shorter sequence (now {batch.inputs.shape[1]})")
-        if batch.num_samples > 1:
-            suggestions.append(f"a smaller batch (now {batch.num_samples})")
-        config = getattr(self.model, "lora_config", None)
-        if config is not None:
-            suggestions.append(f"a smaller LoRA rank (now {config.rank})")
-        return refusal_message(tried, ranked, weights_bytes=self.weights_bytes, budget_bytes=self.memory_budget,
-                               budget_origin=self.memory_budget_origin, probe_name=probe_name,
-                               suggestions=suggestions)
+        return budget_message(self, batch, probe_name, tried)
 
     def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
         """Loss and gradient (or the method's estimate) per trainable parameter; weights unchanged."""
@@ -418,21 +309,7 @@ class Learner:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _checkpoint_payload(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors = {f"param/{name}": p.detach() for name, p in self.params.items()}
-        for name, buffer in self.model.named_buffers():
-            tensors[f"buffer/{name}"] = buffer.detach()
-        optimizer_tensors, optimizer_rest = flatten_optimizer_state(self.optimizer.state_dict())
-        tensors.update(optimizer_tensors)
-        tensors["rng/torch"] = torch.get_rng_state()
-        metadata = {"format": CHECKPOINT_FORMAT, "method": self.method_name,
-                    "state": json.dumps({"steps_done": self.steps_done,
-                                         "stream_position": self.stream_position,
-                                         "method": self.method.state_dict(),
-                                         "optimizer": optimizer_rest,
-                                         "lr_schedule": self.lr_schedule.to_dict(),
-                                         "base_lrs": self.base_lrs,
-                                         "data": self.data_fingerprint})}
-        return tensors, metadata
+        return checkpoint_payload(self)
 
     def save(self, path: str | Path) -> Path:
         """Atomically write trainable weights, buffers, optimizer state, RNG, method seeds, counters.
@@ -502,20 +379,7 @@ class Learner:
 
     def _apply_restored(self, tensors: dict[str, torch.Tensor], state: dict, optimizer_state: dict,
                         source: str) -> None:
-        buffers = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, param in self.params.items():
-                param.copy_(tensors[f"param/{name}"])
-            for name, buffer in buffers.items():
-                if f"buffer/{name}" in tensors:
-                    buffer.copy_(tensors[f"buffer/{name}"])
-        self.optimizer.load_state_dict(optimizer_state)
-        torch.set_rng_state(tensors["rng/torch"])
-        self.method.load_state_dict(state["method"])
-        self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]
-        data = state.get("data")
-        self.data_fingerprint = data if isinstance(data, dict) else None
-        self._resumed_data = (self.data_fingerprint, source) if self.data_fingerprint is not None else None
+        apply_restored(self, tensors, state, optimizer_state, source)
 
     # -- a stream ------------------------------------------------------------------------------
     def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
@@ -530,56 +394,6 @@ class Learner:
         (DataChangedError) unless `allow_data_change` (then training goes on with the new data).
         Every `log_every` steps a progress line goes to the "edgetrain" logger at INFO; `progress` adds a
         bar on an interactive terminal."""
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-            raise EdgetrainError(f"fit: checkpoint_every must be a whole number of steps >= 0, got {checkpoint_every!r}")
-        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
-            raise EdgetrainError(f"fit: log_every must be a whole number of steps >= 0, got {log_every!r}")
-        if checkpoint_every and checkpoint_dir is None:
-            raise EdgetrainError("fit: checkpoint_every needs a checkpoint_dir")
-        if checkpoint_dir is not None and not checkpoint_every:
-            raise EdgetrainError(f"fit: checkpoint_dir {str(checkpoint_dir)!r} is given but checkpoint_every is 0, "
-                                 "so no checkpoint would ever be written")
-        if checkpoint_dir is not None:
-            ensure_writable_directory(checkpoint_dir, "fit: checkpoint_dir")
-        if eval_every and eval_batches is None:
-            raise EdgetrainError("fit: eval_every needs eval_batches")
-        fingerprint = stream.fingerprint() if callable(getattr(stream, "fingerprint", None)) else None
-        if self._resumed_data is not None:
-            saved, source = self._resumed_data
-            check_same_data(saved, fingerprint, source, allow_data_change)
-        self._resumed_data = None
-        if fingerprint is not None:
-            self.data_fingerprint = fingerprint
-        history: list[StepStats] = []
-        iterator: Iterator[Batch] = iter(stream)
-        with progress_bar(max_steps, initial=min(self.steps_done, max_steps), description=f"fit {self.method_name}",
-                          enabled=progress) as bar:
-            while self.steps_done < max_steps:
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    break
-                stats = self.step(batch)
-                history.append(stats)
-                bar.update()
-                bar.set_postfix_str(f"loss {stats.loss:.4f}", refresh=False)
-                for callback in callbacks:
-                    callback(self, stats)
-                if log_every and (stats.step % log_every == 0 or stats.step == max_steps):
-                    log.info(format_progress(stats, max_steps))
-                if eval_every and stats.step % eval_every == 0:
-                    metrics = self.evaluate(eval_batches())
-                    log.info("eval at step %d: %s", stats.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-                if checkpoint_every and stats.step % checkpoint_every == 0:
-                    self.save_rotating(checkpoint_dir)
-        return history
-
-
-def format_progress(stats: StepStats, max_steps: int) -> str:
-    peak = "n/a" if stats.peak_bytes is None else f"{stats.peak_bytes / 2**20:.1f} MiB"
-    return (f"step {stats.step}/{max_steps}  loss {stats.loss:.4f}  "
-            f"{stats.tokens_per_second:,.0f} tok/s  peak {peak} ({stats.probe})")
-
-
-def stats_dict(stats: StepStats) -> dict[str, Any]:
-    return asdict(stats)
+        return fit_stream(self, stream, max_steps, eval_every=eval_every, eval_batches=eval_batches,
+                          checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, callbacks=callbacks,
+                          progress=progress, log_every=log_every, allow_data_change=allow_data_change)

@@ -1,0 +1,149 @@
+"""The first-step memory-budget guard of the torch Learner: measure the first step, refuse it (undone)
+when what it adds does not fit beside the weights, or fall back to an allowed lower-memory method.
+
+Plain functions over the learner they guard, so learner.py keeps only the streaming interface; the
+Learner methods of the same names (`_first_step_within_budget`, ...) call these, and subclasses such as
+MLXLearner still override those methods.
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+from edgetrain.budget_report import StepFigure, lower_memory_methods, rank_methods, refusal_message
+from edgetrain.data.batch import Batch
+from edgetrain.logs import get_logger
+from edgetrain.memory_estimate import first_slice_over_budget
+from edgetrain.memory_sizes import parse_bytes
+from edgetrain.methods.base import METHODS, TrainingError
+from edgetrain.probes.base import settle_memory
+from edgetrain.registry import EdgetrainError
+from edgetrain.step_estimates import estimate_step_bytes
+
+if TYPE_CHECKING:
+    from edgetrain.learner import Learner, StepStats
+
+# The learner's own logger: these messages read as the learner's, as they did before the move.
+log = get_logger("edgetrain.learner")
+
+# Lower-memory methods to fall back to, best first (exact gradients before estimates).
+FALLBACK_ORDER = ("mebp", "mesp", "mezo")
+
+
+class MemoryBudgetError(TrainingError):
+    """The measured first step does not fit the memory budget."""
+
+
+def resolve_memory_budget(memory_budget: int | str | None, target: str | None) -> tuple[int | None, str]:
+    """(budget in bytes or None, where it came from for messages). An explicit `memory_budget` overrides
+    the device profile's; the profile is still loaded, so an unknown target is an error either way."""
+    profile = None
+    if target is not None:
+        from edgetrain.targets import load_target
+
+        profile = load_target(target)
+    if memory_budget is not None:
+        return parse_bytes(memory_budget), ""
+    if profile is not None:
+        return profile.memory_budget_bytes, f" of target {profile.name!r}"
+    return None, ""
+
+
+def first_step_within_budget(learner: Learner, batch: Batch) -> StepStats:
+    """Measure the first step; refuse it, undone, when the memory it adds does not fit what the budget
+    leaves beside the weights (or switch to the next allowed method and measure again).
+
+    What is charged. The budget is the device's allowance for one training process (a device
+    profile's memory_budget_mib: "weights included, leaving room for the OS and the app"). Training
+    holds two things in it: the weights, and what a step adds while it runs.
+    - The weights are charged once, at their full size (parameters and buffers), however they are
+      held: in the process's own memory, or memory-mapped from the checkpoint (safetensors), resident
+      or not yet read. The first forward reads all of them, so a device that trains must hold them.
+    - The step is charged what it adds above the memory held before it (StepStats.peak_bytes;
+      edgetrain/step_memory.py). Pages the step maps in from the weights' file are not step memory:
+      charging them too counted memory-mapped weights twice and refused a step that fits (SmolLM2-135M
+      from safetensors: mesp "needed" 1,046 MiB against a 622 MiB budget, where weights 522 MiB + the
+      30 MiB its step adds fit).
+    - What the process held before the weights -- the interpreter, torch's libraries, allocator
+      caches -- is not charged: it is the app's share of the device, the same whichever method runs,
+      and charging it would make one budget mean different things in a notebook and in a lean script
+      (and in the exported runtime a phone runs).
+    So a step is refused when weights + what it adds > budget: when what it adds does not fit what
+    the budget leaves beside the weights. The refusal ranks the methods by the memory their step adds
+    (measured where they ran, estimated from the model's shape where not: edgetrain/step_estimates.py)."""
+    tried: list[StepFigure] = []
+    while True:
+        over = first_slice_over_budget(learner._measure_undone_step, batch, learner.weights_bytes,
+                                       learner.memory_budget)
+        if over is not None:
+            tried.append(StepFigure(learner.method_name, over.needed_bytes - learner.weights_bytes, measured=True,
+                                    slice_tokens=over.slice_tokens, batch_tokens=over.batch_tokens))
+        else:
+            snapshot = learner._snapshot()
+            learner._budget_checked = True
+            settle_memory()
+            learner._step_probe = learner._budget_probe
+            try:
+                stats = learner.step(batch)
+            finally:
+                learner._step_probe = learner.probe
+            added = stats.peak_bytes or 0
+            if learner.weights_bytes + added <= learner.memory_budget:
+                return stats
+            learner._restore_snapshot(snapshot)
+            learner.steps_done -= 1
+            tried.append(StepFigure(learner.method_name, added, measured=True))
+        candidates = [m for m in learner.fallback_methods if m not in {figure.method for figure in tried}]
+        if not candidates:
+            raise MemoryBudgetError(learner._budget_message(batch, learner._budget_probe.name, tried))
+        learner._use_method(candidates[0])
+        log.warning("%s adds more than the %s MiB the budget leaves beside the weights; falling back to %s",
+                    tried[-1].describe(), f"{max(0, learner.memory_budget - learner.weights_bytes) / 2**20:,.1f}",
+                    learner.method_name)
+        learner._budget_checked = False
+
+
+def measure_undone_step(learner: Learner, batch: Batch) -> int | None:
+    """What one step on `batch` adds (StepStats.peak_bytes), measured by the budget probe, then undone
+    entirely: weights, optimizer and method state, RNG, running statistics and counters are as before.
+    None when the step cannot run on this batch (the full step will then say why)."""
+    snapshot, side_state = learner._snapshot(), learner._side_state()
+    method_state = copy.deepcopy(learner.method.state_dict())
+    counters = (learner.steps_done, learner.stream_position)
+    learner._budget_checked = True
+    settle_memory()
+    learner._step_probe = learner._budget_probe
+    try:
+        return learner.step(batch).peak_bytes
+    except EdgetrainError:
+        return None
+    finally:
+        learner._step_probe = learner.probe
+        learner._budget_checked = False
+        learner._restore_snapshot(snapshot)
+        learner._restore_side_state(side_state)
+        learner.method.load_state_dict(method_state)
+        learner.steps_done, learner.stream_position = counters
+        learner.optimizer.zero_grad(set_to_none=True)
+
+
+def budget_message(learner: Learner, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
+    """The refusal: the methods tried, ranked against the others' estimates, and what to try instead."""
+    candidates = {*FALLBACK_ORDER, "bp", *(figure.method for figure in tried)}
+    estimates = {name: estimate_step_bytes(learner.model, batch, name)
+                 for name in sorted(candidates) if name in METHODS}
+    ranked = rank_methods(tried, estimates)
+    suggestions = []
+    lower = lower_memory_methods(tried, ranked, FALLBACK_ORDER, METHODS.names())
+    if lower:
+        suggestions.append(f"a lower-memory method ({', '.join(lower)}; allow it with fallback_methods=)")
+    if batch.inputs.dim() >= 2 and getattr(learner.model, "task", None) == "lm":
+        suggestions.append(f"a shorter sequence (now {batch.inputs.shape[1]})")
+    if batch.num_samples > 1:
+        suggestions.append(f"a smaller batch (now {batch.num_samples})")
+    config = getattr(learner.model, "lora_config", None)
+    if config is not None:
+        suggestions.append(f"a smaller LoRA rank (now {config.rank})")
+    return refusal_message(tried, ranked, weights_bytes=learner.weights_bytes, budget_bytes=learner.memory_budget,
+                           budget_origin=learner.memory_budget_origin, probe_name=probe_name,
+                           suggestions=suggestions)

@@ -1,0 +1,83 @@
+"""The stream loop behind Learner.fit: check the options, refuse a resumed run's changed data, step
+through the stream until the step count is reached, and log, evaluate, checkpoint and call back on
+schedule. One plain function over any learner (the torch Learner and MLXLearner share it), so learner.py
+keeps the per-step interface; format_progress and stats_dict are the loop's log line and record.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+from edgetrain.checkpoint import ensure_writable_directory
+from edgetrain.data.batch import Batch
+from edgetrain.data.fingerprint import check_same_data
+from edgetrain.logs import get_logger
+from edgetrain.progress import progress_bar
+from edgetrain.registry import EdgetrainError
+
+if TYPE_CHECKING:
+    from edgetrain.learner import Learner, StepStats
+
+# The learner's own logger: progress lines read as the learner's, as they did before the move.
+log = get_logger("edgetrain.learner")
+
+
+def fit_stream(learner: Learner, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
+               eval_batches: Callable[[], Iterable[Batch]] | None = None, checkpoint_every: int = 0,
+               checkpoint_dir: str | Path | None = None, callbacks: Iterable[Callable] = (),
+               progress: bool = False, log_every: int = 10, allow_data_change: bool = False) -> list[StepStats]:
+    """Learner.fit (its docstring says what each option does), for `learner`."""
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise EdgetrainError(f"fit: checkpoint_every must be a whole number of steps >= 0, got {checkpoint_every!r}")
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+        raise EdgetrainError(f"fit: log_every must be a whole number of steps >= 0, got {log_every!r}")
+    if checkpoint_every and checkpoint_dir is None:
+        raise EdgetrainError("fit: checkpoint_every needs a checkpoint_dir")
+    if checkpoint_dir is not None and not checkpoint_every:
+        raise EdgetrainError(f"fit: checkpoint_dir {str(checkpoint_dir)!r} is given but checkpoint_every is 0, "
+                             "so no checkpoint would ever be written")
+    if checkpoint_dir is not None:
+        ensure_writable_directory(checkpoint_dir, "fit: checkpoint_dir")
+    if eval_every and eval_batches is None:
+        raise EdgetrainError("fit: eval_every needs eval_batches")
+    fingerprint = stream.fingerprint() if callable(getattr(stream, "fingerprint", None)) else None
+    if learner._resumed_data is not None:
+        saved, source = learner._resumed_data
+        check_same_data(saved, fingerprint, source, allow_data_change)
+    learner._resumed_data = None
+    if fingerprint is not None:
+        learner.data_fingerprint = fingerprint
+    history: list[StepStats] = []
+    iterator: Iterator[Batch] = iter(stream)
+    with progress_bar(max_steps, initial=min(learner.steps_done, max_steps), description=f"fit {learner.method_name}",
+                      enabled=progress) as bar:
+        while learner.steps_done < max_steps:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            stats = learner.step(batch)
+            history.append(stats)
+            bar.update()
+            bar.set_postfix_str(f"loss {stats.loss:.4f}", refresh=False)
+            for callback in callbacks:
+                callback(learner, stats)
+            if log_every and (stats.step % log_every == 0 or stats.step == max_steps):
+                log.info(format_progress(stats, max_steps))
+            if eval_every and stats.step % eval_every == 0:
+                metrics = learner.evaluate(eval_batches())
+                log.info("eval at step %d: %s", stats.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            if checkpoint_every and stats.step % checkpoint_every == 0:
+                learner.save_rotating(checkpoint_dir)
+    return history
+
+
+def format_progress(stats: StepStats, max_steps: int) -> str:
+    peak = "n/a" if stats.peak_bytes is None else f"{stats.peak_bytes / 2**20:.1f} MiB"
+    return (f"step {stats.step}/{max_steps}  loss {stats.loss:.4f}  "
+            f"{stats.tokens_per_second:,.0f} tok/s  peak {peak} ({stats.probe})")
+
+
+def stats_dict(stats: StepStats) -> dict[str, Any]:
+    return asdict(stats)
