@@ -61,9 +61,7 @@ def first_step_within_budget(learner: Learner, batch: Batch) -> StepStats:
       or not yet read. The first forward reads all of them, so a device that trains must hold them.
     - The step is charged what it adds above the memory held before it (StepStats.peak_bytes;
       edgetrain/step_memory.py). Pages the step maps in from the weights' file are not step memory:
-      charging them too counted memory-mapped weights twice and refused a step that fits (SmolLM2-135M
-      from safetensors: mesp "needed" 1,046 MiB against a 622 MiB budget, where weights 522 MiB + the
-      30 MiB its step adds fit).
+      charging them too counted memory-mapped weights twice and refused steps that fit.
     - What the process held before the weights -- the interpreter, torch's libraries, allocator
       caches -- is not charged: it is the app's share of the device, the same whichever method runs,
       and charging it would make one budget mean different things in a notebook and in a lean script

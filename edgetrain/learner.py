@@ -62,8 +62,7 @@ class StepStats:
     time, library code), which are not step memory. The weights and whatever the process held before are
     not in it. So the same step reads the same in a long-lived process as in a fresh one after a warm-up
     step (within 1 MiB + 5%, tests/test_step_memory.py); the first step of a process adds its one-time
-    allocations (thread pools, kernel caches: 4-6 MiB for SmolLM2-135M). edgetrain/step_memory.py has
-    the details and the figures.
+    allocations (thread pools, kernel caches). edgetrain/step_memory.py has the details.
     """
 
     step: int               # steps completed after this one
