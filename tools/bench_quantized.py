@@ -6,7 +6,8 @@ probe: the footprint is what the process holds above torch's runtime (torch, its
 edgetrain imported, nothing built; file-backed pages left out) plus the step's peak above that. Arms:
 
   mesp, fp32 base      the decoder's block projections dense in float32
-  mesp, 4-bit base     quantised on load to 4 bits (groups of 32), dequantised one layer at a time
+  mesp, 4-bit base     quantised on load to 4 bits (embedding and head too; groups of 64), dequantised
+                       a tile at a time
   mebp, fp32 base      autograd with per-block checkpointing, the MeSP paper's baseline
 
 plus, with --gguf (SmolLM2-135M by default), mesp on that GGUF with its Q4_1 blocks kept as stored.
@@ -14,8 +15,11 @@ The floor is edgetrain's analytic step memory (edgetrain/step_estimates.py: stor
 block's working set or one loss tile, the dequantised matrix, the block's gradients); peak/floor is the
 probe's step peak over it.
 
-  .venv/bin/python tools/bench_quantized.py                      # Qwen2.5-0.5B's shape, seq 256, LoRA r8
+  .venv/bin/python tools/bench_quantized.py --steps 3            # Qwen2.5-0.5B's shape, seq 256, LoRA r8
   .venv/bin/python tools/bench_quantized.py --model tiny --quick # a smoke run
+
+The arms run in edgetrain.profiler.bench's protocol (rounds in alternating order, --repeats of them,
+median and spread, ratios to the fp32-base mesp arm); --json writes each arm's last worker record.
 """
 from __future__ import annotations
 
@@ -24,15 +28,20 @@ import json
 import sys
 from typing import Sequence
 
+from edgetrain.profiler.bench import Arm, Column, format_table, measure_interleaved, summarise, write_png
 from edgetrain.profiler.config import ProfileConfig
 from edgetrain.profiler.runner import run_isolated
 
 MIB = 2**20
+BASELINE = "mesp, fp32 base"
+COLUMNS = [Column("weights_bytes", "weights", MIB, "MiB"), Column("footprint_bytes", "footprint", MIB, "MiB"),
+           Column("peak_bytes_probe", "step peak", MIB, "MiB"), Column("estimate_bytes", "floor", MIB, "MiB"),
+           Column("peak_over_floor", "peak/floor"), Column("step_seconds", "step", 1.0, "s")]
 
 
 def arms(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
     common = dict(model=args.model, seq=args.seq, rank=8, steps=args.steps, layers=args.layers, fidelity=False)
-    chosen = [("mesp, fp32 base", ProfileConfig(method="mesp", **common)),
+    chosen = [(BASELINE, ProfileConfig(method="mesp", **common)),
               ("mesp, 4-bit base", ProfileConfig(method="mesp", quantize_bits=4, **common)),
               ("mebp, fp32 base", ProfileConfig(method="mebp", **common))]
     if args.gguf:
@@ -41,41 +50,49 @@ def arms(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
     return chosen
 
 
+def _arm(name: str, config: ProfileConfig, records: dict[str, dict]) -> Arm:
+    """One fresh worker process per run; its record is kept, its figures are the sample."""
+    def run() -> dict[str, float | None]:
+        record = run_isolated(config)
+        records[name] = record
+        floor = record.get("estimate_bytes")
+        peak_over_floor = record["peak_bytes_probe"] / floor if floor and record.get("peak_bytes_probe") else None
+        return {**{column.metric: record.get(column.metric) for column in COLUMNS},
+                "peak_over_floor": peak_over_floor}
+    return Arm(name, run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every arm (alternating order)")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     parser.add_argument("--gguf", default="smollm2-135m", help="a GGUF model to train with its blocks as stored "
                                                                "('' to skip)")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 step, no GGUF arm")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write each arm's last worker record here")
+    parser.add_argument("--png", default=None, help="a chart of the footprint ratios")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.steps, args.gguf = "tiny", 1, ""
-    records = {}
-    for name, config in arms(args):
-        print(f"... {name}", file=sys.stderr, flush=True)
-        records[name] = run_isolated(config)
-    base = records["mesp, fp32 base"]
-    print(f"{args.model}, seq {args.seq}, LoRA r8, torch-cpu; footprint = held above torch's runtime "
-          f"({base['runtime_baseline_bytes'] / MIB:.0f} MiB) + the step's peak; ratios to mesp, fp32 base")
-    print(f"{'arm':<36} {'weights MiB':>12} {'footprint MiB':>14} {'ratio':>6} {'step peak MiB':>14} "
-          f"{'floor MiB':>10} {'peak/floor':>10} {'s/step':>7} {'ratio':>6}")
-    for name, record in records.items():
-        floor = record.get("estimate_bytes")
-        print(f"{name:<36} {record['weights_bytes'] / MIB:>12.1f} {record['footprint_bytes'] / MIB:>14.1f} "
-              f"{record['footprint_bytes'] / base['footprint_bytes']:>5.2f}x {record['peak_bytes_probe'] / MIB:>14.1f} "
-              f"{floor / MIB if floor else float('nan'):>10.1f} "
-              f"{record['peak_bytes_probe'] / floor if floor else float('nan'):>9.2f}x "
-              f"{record['step_seconds']:>7.2f} {record['step_seconds'] / base['step_seconds']:>5.2f}x")
-    mebp = records["mebp, fp32 base"]["footprint_bytes"]
-    four = records["mesp, 4-bit base"]["footprint_bytes"]
+    records: dict[str, dict] = {}
+    samples = measure_interleaved([_arm(name, config, records) for name, config in arms(args)],
+                                  repeats=args.repeats, warmup=0, description="bench_quantized")
+    summaries = {arm: summarise(taken) for arm, taken in samples.items()}
+    runtime = records[BASELINE]["runtime_baseline_bytes"]
+    print(format_table(f"{args.model}, seq {args.seq}, LoRA r8, torch-cpu; footprint = held above torch's runtime "
+                       f"({runtime / MIB:.0f} MiB) + the step's peak; floor = the analytic step memory",
+                       summaries, BASELINE, COLUMNS))
+    mebp = summaries["mebp, fp32 base"]["footprint_bytes"].median
+    four = summaries["mesp, 4-bit base"]["footprint_bytes"].median
     print(f"mesp 4-bit base / mebp fp32 base: {four / mebp:.2f}x footprint")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(records, handle, indent=1)
+    if args.png:
+        write_png(args.png, summaries, BASELINE, COLUMNS[1], title="footprint, ratio to mesp with an fp32 base")
     return 0
 
 
