@@ -97,7 +97,7 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
     return path
 
 
@@ -116,8 +116,9 @@ def atomic_torch_save(value: Any, path: str | Path) -> Path:
     return atomic_write_bytes(buffer.getvalue(), path)
 
 
-def _fsync_directory(directory: Path) -> None:
-    # The rename is durable only once the directory entry is on disk.
+def fsync_directory(directory: Path) -> None:
+    """Flush a directory's entries to disk (a rename is durable only then); a no-op where the platform
+    cannot open or sync a directory."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -135,7 +136,7 @@ def _fsync_tree(directory: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as handle:
                 os.fsync(handle.fileno())
-        _fsync_directory(Path(root))
+        fsync_directory(Path(root))
 
 
 def _backup_path(path: Path) -> Path:
@@ -215,7 +216,7 @@ def atomic_write_directory(path: str | Path, fill: Callable[[Path], object]) -> 
             os.replace(backup, path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
     shutil.rmtree(backup, ignore_errors=True)
     return path
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from edgetrain.atomic_files import fsync_directory
 from edgetrain.personalise.errors import NothingToRollBackError, PersonaliseError
 from edgetrain.personalise.store import Store
 
@@ -45,19 +46,6 @@ class Version:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 def _remove(path: Path) -> None:
@@ -128,8 +116,8 @@ class Versions:
         target = target_directory / candidate.name
         target_directory.mkdir(parents=True, exist_ok=True)
         os.replace(candidate, target)
-        _fsync_directory(target_directory)
-        _fsync_directory(self.directory)
+        fsync_directory(target_directory)
+        fsync_directory(self.directory)
         pruned: list[Path] = []
         with self.store.transaction() as connection:
             if self.generation(connection) != generation:
