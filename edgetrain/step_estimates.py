@@ -20,8 +20,8 @@ V the vocabulary, and T = one block's trainable bytes (its gradients, or mezo's 
         forward, plus T
 
 With a quantised base (edgetrain.models.quantized) each method's block term also holds one dequantised
-tile of a projection (edgetrain.models.quantized.TILE_ELEMENTS entries), and mesp's loss term the head's
-dequantised vocabulary tile (QUANTIZED_HEAD_VOCAB_CHUNK rows).
+tile of a projection (edgetrain.models.quantized.tile_elements entries on the batch's device), and mesp's
+loss term the head's dequantised vocabulary tile (QUANTIZED_HEAD_VOCAB_CHUNK rows on a CPU).
 
 Checked against tensor accounting of the real first steps (tests/test_step_estimates.py and the
 calibration behind it): fp32 and fp64 within 15% on the tiny preset and on SmolLM2-, Qwen2.5-0.5B- and
@@ -40,7 +40,7 @@ from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK, QUANTIZED_HEAD_VOCA
 from edgetrain.methods.mesp.method import DEFAULT_ATTENTION_CHUNK, DEFAULT_LOSS_CHUNK, DEFAULT_MLP_CHUNK
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LoRALinear
-from edgetrain.models.quantized import QUANTIZED_HEADS, TILE_ELEMENTS, PackedMatrix, QuantizedEmbedding
+from edgetrain.models.quantized import QUANTIZED_HEADS, PackedMatrix, QuantizedEmbedding, tile_elements
 from edgetrain.precision import compute_dtype
 
 
@@ -65,10 +65,11 @@ class _Shape:
         # narrower model dtype): the largest block projection, and one vocabulary tile of the head.
         dense_element = self.loss_element + (self.element if self.element != self.loss_element else 0)
         quantized_blocks = any(isinstance(m, PackedMatrix) for m in model.blocks[0].modules())
-        self.dense_projection = (min(max(self.inner, self.query, self.kv) * self.hidden, TILE_ELEMENTS)
-                                 * dense_element if quantized_blocks else 0)
+        on_cpu = batch.inputs.device.type == "cpu"
+        self.dense_projection = (min(max(self.inner, self.query, self.kv) * self.hidden,
+                                     tile_elements(batch.inputs.device)) * dense_element if quantized_blocks else 0)
         self.quantized_head = isinstance(getattr(model.head, "lm_head", None), QUANTIZED_HEADS)
-        self.vocab_chunk = QUANTIZED_HEAD_VOCAB_CHUNK if self.quantized_head else DEFAULT_VOCAB_CHUNK
+        self.vocab_chunk = QUANTIZED_HEAD_VOCAB_CHUNK if self.quantized_head and on_cpu else DEFAULT_VOCAB_CHUNK
         self.dense_head_tile = min(self.vocab, self.vocab_chunk) * self.hidden * dense_element
 
         ranks = [module.rank for module in model.blocks[0].modules() if isinstance(module, LoRALinear)]

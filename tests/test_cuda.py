@@ -112,3 +112,39 @@ def test_a_4_bit_base_on_the_gpu_gives_the_cpus_gradients(method, text_batches):
     _, cpu_grads = METHODS.get(method)(cpu_model).gradients(batch)
     _, gpu_grads = METHODS.get(method)(gpu_model).gradients(batch.to("cuda"))
     assert _relative_error(gpu_grads, cpu_grads) <= 1e-4
+
+
+def test_the_gpu_dequantises_a_4_bit_base_in_large_tiles_with_the_cpus_product(monkeypatch, text_batches):
+    """On a GPU the tiles are ACCELERATOR_TILE_ELEMENTS and a quantised head is read DEFAULT_VOCAB_CHUNK
+    rows at a time (fewer kernel launches); the product and mesp's gradients are the CPU's."""
+    from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK
+    from edgetrain.models import quantized
+    from edgetrain.models.quantized import PackedMatrix, QuantizedLinear
+
+    layer = QuantizedLinear.from_dense(torch.randn(8192, 1024, generator=torch.Generator().manual_seed(0)), 4)
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(1))
+    gpu_layer = copy.deepcopy(layer).cuda()
+    assert [stop - start for start, stop, _ in gpu_layer.scratch_tiles()] == [4096, 4096]
+    torch.testing.assert_close(gpu_layer(x.cuda()).cpu(), layer(x), rtol=1e-4, atol=1e-4)
+
+    import dataclasses
+
+    from edgetrain.models.decoder_presets import tiny_config
+    from edgetrain.models.llama import LlamaModel
+    from edgetrain.models.quantize import quantize_base
+
+    torch.manual_seed(0)
+    model = LlamaModel(dataclasses.replace(tiny_config(), vocab_size=8192))
+    model.init_weights()
+    quantize_base(model, 4)
+    edgetrain.add_lora(model, rank=4)
+    batch = text_batches(1, seq_len=32, batch_size=2)[0]
+    _, cpu_grads = METHODS.get("mesp")(model).gradients(batch)
+    head_tiles = []
+    original = PackedMatrix.dequantize_rows
+    monkeypatch.setattr(PackedMatrix, "dequantize_rows", lambda self, start, stop, *a, **k: (
+        head_tiles.append(stop - start) if self.rows == 8192 else None) or original(self, start, stop, *a, **k))
+    _, gpu_grads = METHODS.get("mesp")(model.cuda()).gradients(batch.to("cuda"))
+    assert max(head_tiles) == DEFAULT_VOCAB_CHUNK
+    assert _relative_error(gpu_grads, cpu_grads) <= 1e-4
+    assert quantized.tile_elements("cuda") == quantized.ACCELERATOR_TILE_ELEMENTS

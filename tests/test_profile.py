@@ -219,3 +219,19 @@ def test_a_4_bit_base_on_torch_keeps_less_weight_memory_and_reports_its_footprin
     for record in (dense, packed):
         assert record["weights_bytes"] < record["footprint_bytes"] < record["weights_bytes"] + 64 * 2**20, record
         assert 0.7 < record["peak_bytes_probe"] / record["estimate_bytes"] < 1.5
+
+
+@pytest.mark.parametrize("warmup", [1, 3])
+def test_warmup_steps_run_untimed_before_the_timed_ones(warmup, monkeypatch):
+    """`--warmup N`: N steps before the timed `--steps` (then the tensor-accounting step), so a GPU's
+    first-step costs (kernel choice, allocator pools) stay out of the timings."""
+    import edgetrain
+    from edgetrain.profiler.config import ProfileConfig
+    from edgetrain.profiler.worker import profile_method
+
+    seen = []
+    original = edgetrain.Learner.step
+    monkeypatch.setattr(edgetrain.Learner, "step", lambda self, batch: seen.append(1) or original(self, batch))
+    record = profile_method(ProfileConfig(model="tiny", method="mesp", seq=16, steps=2, warmup=warmup,
+                                          fidelity=False))
+    assert len(seen) == warmup + 2 + 1 and record["step_seconds"] > 0

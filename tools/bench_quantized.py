@@ -17,6 +17,7 @@ probe's step peak over it.
 
   .venv/bin/python tools/bench_quantized.py --steps 3            # Qwen2.5-0.5B's shape, seq 256, LoRA r8
   .venv/bin/python tools/bench_quantized.py --model tiny --quick # a smoke run
+  python3 tools/bench_quantized.py --backend torch-cuda --warmup 5 --gguf ''   # on a CUDA GPU
 
 The arms run in edgetrain.profiler.bench's protocol (rounds in alternating order, --repeats of them,
 median and spread, ratios to the fp32-base mesp arm); --json writes each arm's last worker record.
@@ -40,13 +41,15 @@ COLUMNS = [Column("weights_bytes", "weights", MIB, "MiB"), Column("footprint_byt
 
 
 def arms(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
-    common = dict(model=args.model, seq=args.seq, rank=8, steps=args.steps, layers=args.layers, fidelity=False)
+    common = dict(model=args.model, backend=args.backend, seq=args.seq, rank=8, steps=args.steps,
+                  warmup=args.warmup, layers=args.layers, fidelity=False)
     chosen = [(BASELINE, ProfileConfig(method="mesp", **common)),
               ("mesp, 4-bit base", ProfileConfig(method="mesp", quantize_bits=4, **common)),
               ("mebp, fp32 base", ProfileConfig(method="mebp", **common))]
     if args.gguf:
         chosen.append((f"mesp, {args.gguf} as stored", ProfileConfig(
-            method="mesp", model=args.gguf, seq=args.seq, rank=8, steps=args.steps, fidelity=False, quantized=True)))
+            method="mesp", model=args.gguf, backend=args.backend, seq=args.seq, rank=8, steps=args.steps,
+            warmup=args.warmup, fidelity=False, quantized=True)))
     return chosen
 
 
@@ -67,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--backend", default="torch-cpu", help="torch-cpu or torch-cuda")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps in each worker before the timed ones "
+                                                              "(a GPU wants several)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every arm (alternating order)")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     parser.add_argument("--gguf", default="smollm2-135m", help="a GGUF model to train with its blocks as stored "
@@ -82,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   repeats=args.repeats, warmup=0, description="bench_quantized")
     summaries = {arm: summarise(taken) for arm, taken in samples.items()}
     runtime = records[BASELINE]["runtime_baseline_bytes"]
-    print(format_table(f"{args.model}, seq {args.seq}, LoRA r8, torch-cpu; footprint = held above torch's runtime "
+    print(format_table(f"{args.model}, seq {args.seq}, LoRA r8, {args.backend}; footprint = held above torch's runtime "
                        f"({runtime / MIB:.0f} MiB) + the step's peak; floor = the analytic step memory",
                        summaries, BASELINE, COLUMNS))
     mebp = summaries["mebp, fp32 base"]["footprint_bytes"].median

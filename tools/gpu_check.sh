@@ -6,7 +6,8 @@
 set -uo pipefail
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# .gpu_carry (optional, carried by the device call): pure-Python packages the machine lacks (gguf, yaml).
+export PYTHONPATH="$PWD:$PWD/.gpu_carry${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$out/device.log"
 timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rs \
@@ -19,3 +20,7 @@ timeout 120 python3 tools/bench_fgd.py --only cuda --repeats 20 --json "$out/ben
     2>&1 | tee "$out/bench_fgd_cuda.log"
 timeout 150 python3 -m edgetrain.cli profile --backend torch-cuda --model qwen2.5-0.5b --seq 256 --steps 3 \
     --methods bp,mebp,mezo,mesp --json "$out/profile_cuda.jsonl" 2>&1 | tee "$out/profile_cuda.log"
+# The same shape with the frozen base packed in 4 bits and dequantised tile by tile on the GPU, against the
+# fp32 base, side by side; five warm-up steps (a GPU's first steps choose kernels and grow the allocator).
+timeout 240 python3 tools/bench_quantized.py --backend torch-cuda --warmup 5 --steps 3 --repeats 2 --gguf '' \
+    --json "$out/bench_quantized_cuda.json" 2>&1 | tee "$out/bench_quantized_cuda.log"

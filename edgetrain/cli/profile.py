@@ -38,14 +38,16 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=256, help="sequence length (language models)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (language models)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (more on a GPU: its first "
+                                                              "steps choose kernels and grow the allocator's pools)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     parser.add_argument("--quantize-bits", type=int, default=None, metavar="N",
-                        help="base weights quantised to N bits on load (4: the MeSP paper's setup; groups of 32 on "
-                             "torch, 64 on mlx), dequantised one layer at a time")
+                        help="base weights quantised to N bits on load (4: the MeSP paper's setup; groups of 64 "
+                             "where the width allows, else 32), dequantised one layer at a time")
     parser.add_argument("--quantized", action="store_true",
-                        help="torch: keep a GGUF model's Q4_0/Q4_1/Q8_0 block projections packed as stored")
+                        help="torch: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights packed as stored")
     parser.add_argument("--no-fidelity", action="store_true",
                         help="skip the gradient comparison with the fp64 reference (bp on a float64 copy)")
     parser.add_argument("--target", default=None, help="device profile from targets/ (budget warning)")
@@ -67,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
     from edgetrain.profiler.report import format_table, write_json, write_plot
     from edgetrain.profiler.runner import run_isolated
 
-    for name in ("seq", "batch", "rank", "steps", "layers"):
+    for name in ("seq", "batch", "rank", "steps", "warmup", "layers"):
         _check_positive(name, getattr(args, name))
     parse_dtype(args.dtype)
     from edgetrain.backends import BACKENDS, get_backend
@@ -105,7 +107,8 @@ def main(args: argparse.Namespace) -> int:
         for index, method in enumerate(methods, start=1):
             log.info("[%d/%d] %s on %s", index, len(methods), method, args.model)
             config = ProfileConfig(model=args.model, method=method, backend=args.backend, seq=args.seq,
-                                   batch=args.batch, rank=args.rank, steps=args.steps, dtype=args.dtype,
+                                   batch=args.batch, rank=args.rank, steps=args.steps, warmup=args.warmup,
+                                   dtype=args.dtype,
                                    layers=args.layers, fidelity=not args.no_fidelity,
                                    quantize_bits=args.quantize_bits, quantized=args.quantized)
             records.append(run_isolated(config, on_progress=lambda line: log.info("    %s", line)))

@@ -42,9 +42,10 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
     loads a LoRA adapter into it: an edgetrain file, a PEFT or an mlx-lm directory (detected).
 
     Quantised frozen weights on torch (edgetrain.models.quantized): `quantized=True` keeps a GGUF's Q4_0,
-    Q4_1 and Q8_0 block projections packed as they are stored; `quantize_bits=4` or `8` quantises every
-    block projection of any model on load (group-wise affine, groups of 32). Either way each layer is
-    dequantised only while it computes. (MLX keeps a GGUF's blocks quantised always.)"""
+    Q4_1 and Q8_0 block projections, embedding and untied head packed as they are stored; `quantize_bits=4`
+    or `8` quantises the block projections, embedding and head of any model on load (group-wise affine,
+    groups of 64 where the width allows, else 32). Either way each matrix is dequantised one tile at a
+    time, only while it computes. (MLX keeps a GGUF's blocks quantised always.)"""
     from edgetrain.backends import BACKENDS
     from edgetrain.backends.base import BACKEND_ALIASES
 

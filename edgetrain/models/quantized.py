@@ -20,7 +20,7 @@ for a float64 model), so a GGUF's weights come out exactly as ggml computes them
 The dense weight exists only while one layer computes with it: the forward dequantises, multiplies and
 drops it; the backward (the weight is frozen, so only dL/dx = dL/dy W is needed) dequantises it again
 rather than keeping it from the forward. A matrix is dequantised in tiles of rows into a reused scratch
-buffer (TILE_ELEMENTS). `mesp` takes the same tiles (PackedMatrix.scratch_tiles) in its forward, recompute
+buffer (tile_elements: small on a CPU, for its cache; larger on a GPU, for fewer kernel launches). `mesp` takes the same tiles (PackedMatrix.scratch_tiles) in its forward, recompute
 and backward, and reads the head a vocabulary tile at a time.
 Gradients equal autograd through the dequantised weights (tests/models/test_quantized.py).
 """
@@ -43,7 +43,16 @@ STORAGE_DTYPE = torch.float16
 # device and dtype. Reusing it matters: a fresh buffer per tile is fresh pages per tile (glibc maps large
 # blocks anew when the probes pin its mmap threshold), and faulting them in cost more than dequantising.
 TILE_ELEMENTS = 1 << 18
+# On a GPU the kernel launches, not the cache, set the cost: a 1 MiB tile is a few microseconds of work
+# behind about ten launches, so tiles there are 16x larger (16 MiB of float32).
+ACCELERATOR_TILE_ELEMENTS = 1 << 22
 _SCRATCH = threading.local()
+
+
+def tile_elements(device: torch.device | str) -> int:
+    """Entries in one dequantised tile on `device`: TILE_ELEMENTS on a CPU, ACCELERATOR_TILE_ELEMENTS
+    elsewhere."""
+    return TILE_ELEMENTS if torch.device(device).type == "cpu" else ACCELERATOR_TILE_ELEMENTS
 
 
 def _scratch(kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -134,15 +143,16 @@ class PackedMatrix(nn.Module):
         else:
             dense.copy_(codes)
         grouped = dense.view(rows, -1, self.group_size)
-        grouped.mul_(scales.to(work).unsqueeze(-1)).add_(biases.to(work).unsqueeze(-1))
+        # Mixed dtypes in place: the scales convert inside the kernel (exactly), no launch of their own.
+        grouped.mul_(scales.unsqueeze(-1)).add_(biases.unsqueeze(-1))
         return dense if wanted == work else dense.to(wanted)
 
     def scratch_tiles(self, dtype: torch.dtype | None = None, device: Any = None,
                       rows_per_tile: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(start, stop, dense rows [start, stop)) covering the matrix, `rows_per_tile` rows at a time (as
-        many as TILE_ELEMENTS entries hold by default). Each tile lives in a scratch buffer that the next
-        tile overwrites: use it before asking for the next."""
-        step = rows_per_tile or max(1, TILE_ELEMENTS // self.cols)
+        many as tile_elements(device) entries hold by default). Each tile lives in a scratch buffer that the
+        next tile overwrites: use it before asking for the next."""
+        step = rows_per_tile or max(1, tile_elements(self.device if device is None else device) // self.cols)
         for start in range(0, self.rows, step):
             stop = min(start + step, self.rows)
             yield start, stop, self.dequantize_rows(start, stop, dtype, device, scratch=True)

@@ -18,6 +18,7 @@ class ProfileConfig:
     batch: int = 1
     rank: int = 8
     steps: int = 3
+    warmup: int = 1  # untimed steps first (a GPU's first steps pick kernels and grow its allocator's pools)
     dtype: str = "float32"
     seed: int = 0
     fidelity: bool = True     # compare the method's gradient with exact autograd on the same batch

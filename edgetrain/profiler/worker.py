@@ -111,8 +111,10 @@ def profile_torch_method(config) -> dict[str, Any]:
     learner = edgetrain.Learner(model, method=config.method, backend=config.backend, optimizer="sgd",
                                 lr=1e-5, method_options=config.method_options, probe=probe_name,
                                 seed=config.seed)
-    _progress(f"[{config.method}] warm-up step")
+    _progress(f"[{config.method}] warm-up step" + ("s" if config.warmup > 1 else ""))
     first = learner.step(batch)
+    for _ in range(config.warmup - 1):
+        learner.step(batch)
     # Read as a step's own baseline is read (edgetrain.step_memory): after the allocator's free memory
     # went back to the kernel, so that free heap is not counted here and again in the step's peak.
     from edgetrain.step_memory import release_before_step

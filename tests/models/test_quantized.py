@@ -12,6 +12,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.methods import METHODS
+from edgetrain.models import quantized
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantize import quantize_base, quantize_linears
 from edgetrain.models.quantized import QuantizedEmbedding, QuantizedLinear, TiedQuantizedHead, is_quantized
@@ -206,6 +207,16 @@ def test_large_matrices_are_dequantised_in_tiles_with_the_same_product_gradient_
     assert max(seen) == 7 and 40 % 7 in seen
     for got, want in [(tiled, whole), (tiled_grad, whole_grad), (tiled_jvp, whole_jvp)]:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_gpu_dequantises_in_larger_tiles_than_a_cpu():
+    """A CPU's tiles fit its cache; another device's are 16x larger (fewer kernel launches). The meta
+    device stands in for a GPU here (tests/test_cuda.py checks a real one)."""
+    layer = QuantizedLinear.from_dense(torch.randn(2048, 1024), 4)
+    assert quantized.tile_elements("cpu") == quantized.TILE_ELEMENTS
+    assert quantized.tile_elements("cuda") == quantized.ACCELERATOR_TILE_ELEMENTS == 16 * quantized.TILE_ELEMENTS
+    assert [stop - start for start, stop, _ in layer.scratch_tiles()] == [256] * 8
+    assert [stop - start for start, stop, _ in layer.scratch_tiles(device="meta")] == [2048]
 
 
 def test_a_dtype_cast_sets_the_compute_dtype_and_never_rounds_the_stored_scales():

@@ -23,8 +23,9 @@ from edgetrain.methods.mesp.ops import compute_dtype, rms_norm_backward, rms_nor
 # Vocabulary rows per tile: a [4096, hidden] block of W (14.7 MB for Qwen2.5-0.5B in fp32) stays in a
 # typical last-level cache between its two uses.
 DEFAULT_VOCAB_CHUNK = 4096
-# A quantised head's tile is dequantised into a scratch buffer, not a view of the weight: a smaller one
-# keeps that copy (512 x hidden) near edgetrain.models.quantized.TILE_ELEMENTS.
+# A quantised head's tile is dequantised into a scratch buffer, not a view of the weight: on a CPU a
+# smaller one keeps that copy (512 x hidden) near edgetrain.models.quantized.TILE_ELEMENTS. A GPU keeps
+# DEFAULT_VOCAB_CHUNK, near ACCELERATOR_TILE_ELEMENTS: there fewer tiles mean fewer kernel launches.
 QUANTIZED_HEAD_VOCAB_CHUNK = 512
 
 

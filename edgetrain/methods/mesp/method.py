@@ -176,7 +176,8 @@ class StructuredBackprop:
         loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps,
                                      head.lm_head.weight if dense_head else head.lm_head,  # dequantised per tile
                                      batch.targets, self.loss_chunk,
-                                     DEFAULT_VOCAB_CHUNK if dense_head else QUANTIZED_HEAD_VOCAB_CHUNK)
+                                     DEFAULT_VOCAB_CHUNK if dense_head or hidden.device.type != "cpu"
+                                     else QUANTIZED_HEAD_VOCAB_CHUNK)
         if require_finite_loss:
             require_finite(float(loss), "loss")
         del hidden
