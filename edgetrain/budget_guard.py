@@ -1,9 +1,9 @@
 """The first-step memory-budget guard of the torch Learner: measure the first step, refuse it (undone)
 when what it adds does not fit beside the weights, or fall back to an allowed lower-memory method.
 
-Plain functions over the learner they guard, so learner.py keeps only the streaming interface; the
-Learner methods of the same names (`_first_step_within_budget`, ...) call these, and subclasses such as
-MLXLearner still override those methods.
+Plain functions over the learner they guard (any framework's: what touches tensors goes through its
+engine), so learner.py keeps only the streaming interface; the Learner methods of the same names
+(`_first_step_within_budget`, ...) call these.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from edgetrain.data.batch import Batch
 from edgetrain.logs import get_logger
 from edgetrain.memory_estimate import first_slice_over_budget
 from edgetrain.memory_sizes import parse_bytes
-from edgetrain.methods.base import METHODS, TrainingError
+from edgetrain.methods.base import TrainingError
 from edgetrain.probes.base import settle_memory
 from edgetrain.registry import EdgetrainError
 from edgetrain.step_estimates import estimate_step_bytes
@@ -122,17 +122,17 @@ def measure_undone_step(learner: Learner, batch: Batch) -> int | None:
         learner._restore_side_state(side_state)
         learner.method.load_state_dict(method_state)
         learner.steps_done, learner.stream_position = counters
-        learner.optimizer.zero_grad(set_to_none=True)
+        learner.engine.clear_gradients(learner.optimizer)
 
 
 def budget_message(learner: Learner, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
     """The refusal: the methods tried, ranked against the others' estimates, and what to try instead."""
     candidates = {*FALLBACK_ORDER, "bp", *(figure.method for figure in tried)}
     estimates = {name: estimate_step_bytes(learner.model, batch, name)
-                 for name in sorted(candidates) if name in METHODS}
+                 for name in sorted(candidates) if name in learner.methods}
     ranked = rank_methods(tried, estimates)
     suggestions = []
-    lower = lower_memory_methods(tried, ranked, FALLBACK_ORDER, METHODS.names())
+    lower = lower_memory_methods(tried, ranked, FALLBACK_ORDER, learner.methods.names())
     if lower:
         suggestions.append(f"a lower-memory method ({', '.join(lower)}; allow it with fallback_methods=)")
     if batch.inputs.dim() >= 2 and getattr(learner.model, "task", None) == "lm":

@@ -6,11 +6,13 @@
     learner.fit(stream, max_steps=100, checkpoint_every=20, checkpoint_dir="ckpt")
 
 Everything else (how a gradient is produced) belongs to the method; where memory is read belongs to
-the probe; where tensors live belongs to the backend. The first-step memory-budget guard, the checkpoint
-payload and the stream loop are their own modules (budget_guard, learner_state, fit_loop).
+the probe; where tensors live belongs to the backend. Written once for every framework: what touches
+tensors goes through the backend's Engine (edgetrain/engines: torch, MLX). The first-step memory-budget
+guard and the stream loop are their own modules (budget_guard, fit_loop).
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from contextlib import nullcontext
@@ -18,33 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
 
-import torch
-from torch import nn
-
 from edgetrain import backends as _backends  # noqa: F401  (registers backends)
 from edgetrain import methods as _methods  # noqa: F401  (registers methods)
 from edgetrain.backends import Backend, get_backend
-from edgetrain.budget_guard import FALLBACK_ORDER  # noqa: F401  (re-exported: MLXLearner)
+from edgetrain.budget_guard import FALLBACK_ORDER  # noqa: F401  (re-exported)
 from edgetrain.budget_guard import (MemoryBudgetError, budget_message, first_step_within_budget, measure_undone_step,
                                     resolve_memory_budget)
 from edgetrain.budget_report import StepFigure
 from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensors, check_counters, load_latest_good,
-                                  load_safetensors_checked, metadata_json, rotating_checkpoint_paths, save_rotating,
-                                  unflatten_optimizer_state)
+                                  load_safetensors_checked, metadata_json, rotating_checkpoint_paths, save_rotating)
 from edgetrain.data.batch import Batch
-from edgetrain.data.validate import batch_expectations, validate_batch
-from edgetrain.finite_steps import FiniteOptimizerSteps
 from edgetrain.fit_loop import fit_stream
 from edgetrain.fit_loop import format_progress, stats_dict  # noqa: F401  (re-exported)
-from edgetrain.learner_state import CHECKPOINT_FORMAT, apply_restored, checkpoint_payload
+from edgetrain.gradient_steps import check_accumulation, check_gradient_step_method, micro_batches
 from edgetrain.logs import get_logger
-from edgetrain.losses import task_loss
 from edgetrain.memory_sizes import parse_bytes
-from edgetrain.methods.base import METHODS, NonFiniteError, TrainingError, trainable_parameters
-from edgetrain.optimizers import make_optimizer
+from edgetrain.methods.base import NonFiniteError, TrainingError
 from edgetrain.registry import EdgetrainError
 from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
-from edgetrain.step_memory import StepMemory
 
 log = get_logger(__name__)
 
@@ -98,11 +91,16 @@ def _resolve_probe(probe: Any, backend: str):
 
 
 class Learner:
+    """The streaming learner over one framework's Engine (the backend's: torch or MLX). `accumulate=N`
+    cuts each step's batch into N micro-batches and sums their gradients into one update (the whole
+    batch's gradient, one micro-batch's activations); `max_grad_norm` clips that update's global L2 norm.
+    Both need a method whose step is its gradient and one optimizer update (bp, mebp, mesp)."""
+
     framework: ClassVar[str] = "torch"  # the models it drives: its backend's framework must be this
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Learner":
-        # Learner(model, backend="mlx", ...) is the learner its backend names (MLXLearner: same interface,
-        # MLX models).
+        # Learner(model, backend="mlx", ...) is the learner class its backend names (MLXLearner: this
+        # learner, for MLX models).
         if cls is Learner:
             backend = kwargs.get("backend", args[2] if len(args) > 2 else "torch-cpu")
             if isinstance(backend, str) and backend in _backends.BACKENDS:
@@ -111,47 +109,47 @@ class Learner:
                     cls = entry.require().learner_class()  # says why not (mlx missing) before importing it
         return super().__new__(cls)
 
-    def __init__(self, model: nn.Module, method: str = "bp", backend: str = "torch-cpu",
+    def __init__(self, model: Any, method: str = "bp", backend: str = "torch-cpu",
                  optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
                  optimizer_options: dict[str, Any] | None = None,
                  method_options: dict[str, Any] | None = None,
                  probe: Any = None, seed: int | None = 0, memory_budget: int | str | None = None,
                  fallback_methods: Iterable[str] = (), target: str | None = None,
-                 lr_schedule: str | None = None, schedule_options: dict[str, Any] | None = None) -> None:
+                 lr_schedule: str | None = None, schedule_options: dict[str, Any] | None = None,
+                 accumulate: int = 1, max_grad_norm: float | None = None) -> None:
         self.backend = get_backend(backend)
         lr = check_learning_rate(lr)
         self.lr_schedule = LRSchedule.make(lr_schedule, schedule_options)
         if self.backend.framework != self.framework:
             raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; "
                                  f"{type(self).__name__} drives {self.framework} models")
-        if seed is not None:
-            torch.manual_seed(seed)
-        self.model = model.to(self.backend.device)
-        self.model.train()
+        self.accumulate, self.max_grad_norm = check_accumulation(accumulate, max_grad_norm)
+        self.engine = self.backend.make_engine()
+        self.methods = self.engine.methods
+        self.seed = seed
+        self.engine.seed(seed)
+        self.model = self.engine.adopt(model)
         self.method_name = method
         self.method_options = dict(method_options or {})
-        self.method = METHODS.get(method)(self.model, **self.method_options)
-        self.params = trainable_parameters(self.model)
-        self.optimizer = make_optimizer(optimizer, list(self.params.values()), lr, **(optimizer_options or {}))
+        self.method = self.methods.get(method)(self.model, **self.method_options)
+        if self.drives_gradients:
+            check_gradient_step_method(self.method, method)
+        self._params = self.engine.trainable(self.model)
+        self.optimizer = self.engine.make_optimizer(optimizer, self.model, self._params, lr, optimizer_options or {})
         # The schedule scales each group's own rate (a custom optimizer may set per-group rates).
-        self.base_lrs = [check_learning_rate(group["lr"], "optimizer lr") for group in self.optimizer.param_groups]
-        # Every optimizer step, also the per-block steps of fused methods, is all or nothing.
-        self._finite_steps = FiniteOptimizerSteps(self.optimizer, self.params)
+        self.base_lrs = [check_learning_rate(rate, "optimizer lr") for rate in self.engine.group_rates(self.optimizer)]
         self.memory_budget, self.memory_budget_origin = resolve_memory_budget(memory_budget, target)
         self.fallback_methods = tuple(fallback_methods)
         for name in self.fallback_methods:
-            METHODS.get(name)
+            self.methods.get(name)
         self.probe = _resolve_probe(probe, self.backend.name)
         self._budget_probe = self.probe
         if self.memory_budget is not None and self.probe is None:
-            if probe is not None:
+            stand_in = None if probe is not None else self.engine.probe_without_os_probe(self.model)
+            if stand_in is None:
                 raise EdgetrainError("a memory budget needs a working memory probe to measure the first step")
-            from edgetrain.probes import TensorAccountant
-
-            # Without an OS probe, tensor accounting still sees every tensor torch allocates (not the
-            # allocator's slack); good enough to refuse a step that cannot fit.
             log.warning("measuring the first step against the memory budget by tensor accounting")
-            self._budget_probe = TensorAccountant(self.model)
+            self._budget_probe = stand_in
         self._step_probe = self.probe
         self.steps_done = 0
         self.stream_position = 0
@@ -161,74 +159,66 @@ class Learner:
         self._resumed_data: tuple[dict, str] | None = None
         self._budget_checked = self.memory_budget is None
 
+    @property
+    def drives_gradients(self) -> bool:
+        """Whether steps go through the method's gradients (accumulation or clipping) instead of its step."""
+        return self.accumulate > 1 or self.max_grad_norm is not None
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """name -> trainable parameter."""
+        return self.engine.live_parameters(self.model, self._params)
+
     # -- one batch -----------------------------------------------------------------------------
-    def _prepare(self, batch: Batch) -> Batch:
+    def _prepare(self, batch: Batch) -> Any:
         if not isinstance(batch, Batch):
             raise EdgetrainError(f"expected an edgetrain Batch, got {type(batch).__name__}")
-        validate_batch(batch, **batch_expectations(self.model))
-        return batch.to(self.backend.device)
+        return self.engine.prepare(batch, self.model)
 
     @property
     def weights_bytes(self) -> int:
-        tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return self.engine.weights_bytes(self.model)
 
-    def _snapshot(self) -> tuple[dict[str, torch.Tensor], dict]:
-        import copy
+    def _snapshot(self) -> Any:
+        return self.engine.snapshot(self.params, self.optimizer)
 
-        return ({name: p.detach().clone() for name, p in self.params.items()},
-                copy.deepcopy(self.optimizer.state_dict()))
+    def _restore_snapshot(self, snapshot: Any) -> None:
+        self.engine.restore_snapshot(self.model, self.params, self.optimizer, snapshot)
 
-    def _restore_snapshot(self, snapshot: tuple[dict[str, torch.Tensor], dict]) -> None:
-        weights, optimizer_state = snapshot
-        with torch.no_grad():
-            for name, param in self.params.items():
-                param.copy_(weights[name])
-        self.optimizer.load_state_dict(optimizer_state)
+    def _side_state(self) -> Any:
+        return self.engine.side_state(self.model)
 
-    def _side_state(self) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The torch RNG state and copies of the running statistics of normalisation layers in training
-        mode (the buffers a forward updates); small next to the weights."""
-        running = [(buffer, buffer.clone()) for module in self.model.modules()
-                   if isinstance(module, nn.modules.batchnorm._NormBase) and module.training
-                   for buffer in module.buffers(recurse=False)]
-        return torch.get_rng_state(), running
-
-    def _restore_side_state(self, side_state: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        rng, running = side_state
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for buffer, kept in running:
-                buffer.copy_(kept)
+    def _restore_side_state(self, side_state: Any) -> None:
+        self.engine.restore_side_state(side_state)
 
     def step(self, batch: Batch) -> StepStats:
         """One step. A NaN/inf loss or gradient raises TrainingError and leaves the weights (and
         optimizer state) of the last good step; the first step is checked against the memory budget."""
-        batch = self._prepare(batch)
+        prepared = self._prepare(batch)
         if not self._budget_checked:
             return self._first_step_within_budget(batch)
         snapshot = self._snapshot() if getattr(self.method, "partial_updates", False) else None
         # What a forward changes besides the weights: a failed step puts it back, so that the state
         # (and a checkpoint written after the failure) is the state of the last good step.
         side_state = None if getattr(self.method, "advances_on_failure", False) else self._side_state()
+        self.engine.begin_step(self.seed, self.steps_done)
         lr = self._apply_lr_schedule()
         probe = self._step_probe
-        # What the step adds to the memory held before it (edgetrain/step_memory.py says how it is read).
-        window = StepMemory(probe) if probe is not None else None
+        window = self.engine.step_window(probe) if probe is not None else None
         try:
             with window if window is not None else nullcontext():
                 self.backend.synchronize()
                 start = time.perf_counter()
-                loss = self.method.step(batch, self.optimizer)
+                loss = self._update(batch, prepared)
                 self.backend.synchronize()
                 seconds = time.perf_counter() - start
         except Exception as exc:
-            self._finite_steps.put_back_interrupted(self.optimizer)
+            self.engine.after_failed_step(self.optimizer)
             if snapshot is not None:
                 self._restore_snapshot(snapshot)
             if side_state is not None:
                 self._restore_side_state(side_state)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.engine.clear_gradients(self.optimizer)
             if not isinstance(exc, NonFiniteError):
                 raise
             raise TrainingError(f"step {self.steps_done + 1} stopped on batch {batch.index}: {exc}; "
@@ -243,11 +233,30 @@ class Learner:
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
                          probe=probe.name if probe is not None else "none", lr=lr)
 
+    def _update(self, batch: Batch, prepared: Any) -> Any:
+        """The step's work: the method's own step, or (accumulate / max_grad_norm) its gradients over the
+        micro-batches, summed by their share of the batch's targets, and one optimizer update."""
+        if not self.drives_gradients:
+            return self.engine.run_step(self.method, prepared, self.optimizer)
+        total, loss = None, 0.0
+        slices = micro_batches(batch, self.accumulate) if self.accumulate > 1 else [(batch, 1.0)]
+        for micro, share in slices:
+            micro_loss, grads = self.engine.gradients(self.method, prepared if micro is batch
+                                                      else self.engine.prepare(micro, self.model))
+            loss += float(micro_loss) * share
+            if not math.isfinite(loss):
+                raise NonFiniteError(f"non-finite loss {loss} on a micro-batch")
+            total = self.engine.add_gradients(total, grads, share)
+            del grads
+        # The update's global L2 norm before clipping (StepStats has no field for it).
+        self.last_grad_norm = self.engine.apply_gradients(self.optimizer, self.params, total, self.max_grad_norm)
+        return loss
+
     def _apply_lr_schedule(self) -> float:
         """Set every group's rate for the coming step; returns the first group's."""
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = self.lr_schedule.rate(base, self.steps_done)
-        return float(self.optimizer.param_groups[0]["lr"])
+        rates = [self.lr_schedule.rate(base, self.steps_done) for base in self.base_lrs]
+        self.engine.set_group_rates(self.optimizer, rates)
+        return float(self.engine.group_rates(self.optimizer)[0])
 
     def _first_step_within_budget(self, batch: Batch) -> StepStats:
         """Measure the first step against the memory budget (edgetrain/budget_guard.py says what is charged);
@@ -261,38 +270,22 @@ class Learner:
     def _budget_message(self, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
         return budget_message(self, batch, probe_name, tried)
 
-    def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
-        """Loss and gradient (or the method's estimate) per trainable parameter; weights unchanged."""
-        loss, grads = self.method.gradients(self._prepare(batch))
+    def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, Any]]:
+        """Loss and gradient (or the method's estimate) per trainable parameter, in the framework's tensors
+        (MLX arrays on MLX: np.array(g) converts); weights unchanged."""
+        loss, grads = self.engine.gradients(self.method, self._prepare(batch))
         return float(loss), grads
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
         """Mean loss over the batches (weighted by tokens or samples), perplexity for language
         models, accuracy for classifiers."""
         self.model.eval()
-        total_loss, total_weight, correct = 0.0, 0, 0
         try:
-            for batch in batches:
-                batch = self._prepare(batch)
-                outputs = self.model(batch.inputs)
-                weight = batch.num_tokens
-                total_loss += float(task_loss(self.model, outputs, batch.targets)) * weight
-                total_weight += weight
-                if getattr(self.model, "task", "classify") == "classify":
-                    correct += int((outputs.argmax(-1) == batch.targets).sum())
+            return self.engine.evaluate(self.model, ((batch, self._prepare(batch)) for batch in batches))
         finally:
             self.model.train()
-        if total_weight == 0:
-            raise EdgetrainError("evaluate() got no batches")
-        metrics = {"loss": total_loss / total_weight}
-        if getattr(self.model, "task", "classify") == "lm":
-            metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
-        else:
-            metrics["accuracy"] = correct / total_weight
-        return metrics
 
-    def finish(self) -> nn.Module:
+    def finish(self) -> Any:
         """End training: the method's own finish step where it has one (SegProp / lw remove their
         training-only adapters), then forget parameters the model no longer holds, so checkpoints
         written afterwards do not carry them. Returns the model."""
@@ -303,12 +296,17 @@ class Learner:
         return self.model
 
     def _forget_parameters_not_in_model(self) -> None:
-        held = {id(p) for p in self.model.parameters()}
-        self.params = {name: p for name, p in self.params.items() if id(p) in held}
+        self._params = self.engine.held(self.model, self._params)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _checkpoint_payload(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        return checkpoint_payload(self)
+    def _checkpoint_payload(self) -> tuple[dict[str, Any], dict[str, str]]:
+        tensors, extra_state = self.engine.checkpoint_tensors(self)
+        metadata = {"format": self.engine.checkpoint_format, "method": self.method_name,
+                    "state": json.dumps({"steps_done": self.steps_done, "stream_position": self.stream_position,
+                                         "method": self.method.state_dict(), **extra_state,
+                                         "lr_schedule": self.lr_schedule.to_dict(), "base_lrs": self.base_lrs,
+                                         "data": self.data_fingerprint})}
+        return tensors, metadata
 
     def save(self, path: str | Path) -> Path:
         """Atomically write trainable weights, buffers, optimizer state, RNG, method seeds, counters.
@@ -338,47 +336,41 @@ class Learner:
         self.method_name = name
         # The original method's options do not apply to another method.
         self.method_options = {}
-        self.method = METHODS.get(name)(self.model)
+        self.method = self.methods.get(name)(self.model)
 
-    def _restore(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str) -> None:
+    def _restore(self, tensors: dict[str, Any], metadata: dict[str, str], source: str) -> None:
         """Restore a checkpoint, all or nothing: everything is checked first, and if applying it still
         fails, the weights, optimizer state, RNG and method are put back as they were."""
-        if metadata.get("format") != CHECKPOINT_FORMAT:
-            raise EdgetrainError(f"{source} is not an edgetrain learner checkpoint")
+        if metadata.get("format") != self.engine.checkpoint_format:
+            raise EdgetrainError(f"{source} is not an edgetrain {self.engine.checkpoint_kind} checkpoint")
         saved_method = metadata.get("method")
         # A run that fell back to a lower-memory method (fallback_methods) saved that method: resuming
         # continues with it, as the uninterrupted run would have.
         if saved_method != self.method_name and saved_method not in self.fallback_methods:
             raise EdgetrainError(f"{source} was written by method {saved_method!r}, "
                                  f"this learner runs {self.method_name!r}")
-        state = metadata_json(metadata, "state", source, ("steps_done", "stream_position", "method", "optimizer"))
+        state = metadata_json(metadata, "state", source, self.engine.state_keys)
         check_same_schedule(state, self.lr_schedule, self.base_lrs, source)
         check_counters(state, source)
-        for name, param in self.params.items():
-            saved = tensors.get(f"param/{name}")
-            if saved is None or saved.shape != param.shape:
-                raise EdgetrainError(f"{source}: parameter {name!r} is missing or has the wrong shape")
-        optimizer_state = unflatten_optimizer_state(tensors, state["optimizer"])
-        before = (self._snapshot(), torch.get_rng_state(), self.method_name, self.method_options, self.method,
-                  {name: b.clone() for name, b in self.model.named_buffers()})
+        checked = self.engine.check_restore(self, tensors, state, source)
+        before = (self._snapshot(), self.engine.restore_point(self), self.method_name, self.method_options,
+                  self.method)
         try:
             if saved_method != self.method_name:
                 self._use_method(saved_method)
-            self._apply_restored(tensors, state, optimizer_state, source)
+            self.engine.apply_restore(self, tensors, state, checked)
+            self.method.load_state_dict(state["method"])
         except BaseException as exc:
-            snapshot, rng, self.method_name, self.method_options, self.method, buffers = before
+            snapshot, point, self.method_name, self.method_options, self.method = before
             self._restore_snapshot(snapshot)
-            torch.set_rng_state(rng)
-            with torch.no_grad():
-                for name, buffer in self.model.named_buffers():
-                    buffer.copy_(buffers[name])
+            self.engine.roll_back_restore(self, point)
             if isinstance(exc, Exception) and not isinstance(exc, EdgetrainError):
                 raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
             raise
-
-    def _apply_restored(self, tensors: dict[str, torch.Tensor], state: dict, optimizer_state: dict,
-                        source: str) -> None:
-        apply_restored(self, tensors, state, optimizer_state, source)
+        self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]
+        data = state.get("data")
+        self.data_fingerprint = data if isinstance(data, dict) else None
+        self._resumed_data = (self.data_fingerprint, source) if self.data_fingerprint is not None else None
 
     # -- a stream ------------------------------------------------------------------------------
     def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,

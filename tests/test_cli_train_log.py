@@ -32,3 +32,22 @@ def test_a_log_path_that_cannot_be_written_is_refused_before_training(tmp_path, 
     (tmp_path / "a-file").write_text("not a directory")
     assert main(COMMON + ["--steps", "1", "--log-jsonl", str(tmp_path / "a-file" / "steps.jsonl")]) == 2
     assert "--log-jsonl" in capsys.readouterr().err
+
+
+def test_schedule_accumulation_and_clipping_flags_reach_the_learner(tmp_path, capsys):
+    log = tmp_path / "steps.jsonl"
+    assert main(COMMON + ["--steps", "3", "--lr", "0.01", "--lr-schedule", "linear-warmup", "--schedule-option",
+                          "warmup_steps=2", "--accumulate", "2", "--max-grad-norm", "0.5",
+                          "--log-jsonl", str(log)]) == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    from edgetrain.schedules import LRSchedule
+
+    warmup = LRSchedule.make("linear-warmup", {"warmup_steps": 2})
+    assert [line["lr"] for line in lines] == [warmup.rate(0.01, step) for step in range(3)]
+    assert lines[0]["lr"] < lines[1]["lr"] < lines[2]["lr"] == 0.01
+    assert all(math.isfinite(line["loss"]) and line["tokens"] == 32 for line in lines)
+    capsys.readouterr()
+    assert main(COMMON + ["--steps", "1", "--accumulate", "3"]) == 2  # 3 micro-batches of a 2-sample batch
+    assert "accumulate=3" in capsys.readouterr().err
+    assert main(COMMON + ["--steps", "1", "--method", "mezo", "--max-grad-norm", "1"]) == 2
+    assert "method 'mezo' steps in its own way" in capsys.readouterr().err

@@ -22,7 +22,8 @@ class Backend:
     probe: Callable[[], str]            # the name of the memory probe that reads what this backend uses
     # What differs by framework, as "module:attribute": imported only when used, so that registering a
     # backend never imports its framework. Callers ask the entry; nothing else compares backend names.
-    learner: str = "edgetrain.learner:Learner"          # the learner that drives this framework's models
+    learner: str = "edgetrain.learner:Learner"          # the learner class for this framework's models
+    engine: str = "edgetrain.engines.torch_engine:TorchEngine"  # its tensor work (edgetrain.engines)
     loader: str = "edgetrain.models:load_torch_model"   # (name_or_path, dtype, device) -> model
     methods: str = "edgetrain.methods:METHODS"          # the registry of methods this framework runs
     profiler: str = "edgetrain.profiler.worker:profile_torch_method"  # ProfileConfig -> record
@@ -43,6 +44,10 @@ class Backend:
 
     def learner_class(self) -> type:
         return _resolve(self.learner)
+
+    def make_engine(self) -> Any:
+        """A new engine (edgetrain.engines) for one learner on this backend's device."""
+        return _resolve(self.engine)(self.device)
 
     def load_model(self, name_or_path: Any, dtype: Any, device: Any) -> Any:
         return _resolve(self.loader)(name_or_path, dtype=dtype, device=device)

@@ -25,6 +25,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, default=100, help="total steps, resumed ones included")
+    parser.add_argument("--lr-schedule", default=None, help="constant (default), linear-warmup, linear or cosine")
+    parser.add_argument("--schedule-option", action="append", default=[], metavar="KEY=JSON",
+                        help="a schedule option, e.g. warmup_steps=10 or total_steps=200 (repeatable)")
+    parser.add_argument("--accumulate", type=int, default=1, metavar="N",
+                        help="cut each batch into N micro-batches and sum their gradients into one update "
+                             "(bp, mebp, mesp)")
+    parser.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                        help="clip each update to a global L2 norm of X (bp, mebp, mesp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--method-option", action="append", default=[], metavar="KEY=JSON",
                         help="an option of the method, e.g. epsilon=0.001 (repeatable)")
@@ -57,14 +65,14 @@ def jsonl_step_logger(path: str) -> Callable:
     return log
 
 
-def _method_options(pairs: list[str]) -> dict:
+def _method_options(pairs: list[str], flag: str = "--method-option") -> dict:
     from edgetrain.registry import EdgetrainError
 
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise EdgetrainError(f"--method-option {pair!r}: expected KEY=VALUE")
+            raise EdgetrainError(f"{flag} {pair!r}: expected KEY=VALUE")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -115,7 +123,10 @@ def main(args: argparse.Namespace) -> int:
             stream_options["paths"] = args.files
     learner = edgetrain.Learner(model, method=args.method, backend=args.backend, optimizer=args.optimizer,
                                 lr=args.lr, method_options=_method_options(args.method_option), seed=args.seed,
-                                memory_budget=args.memory_budget, target=args.target)
+                                memory_budget=args.memory_budget, target=args.target,
+                                lr_schedule=args.lr_schedule,
+                                schedule_options=_method_options(args.schedule_option, "--schedule-option") or None,
+                                accumulate=args.accumulate, max_grad_norm=args.max_grad_norm)
     if args.checkpoint_dir:
         resumed = learner.resume(args.checkpoint_dir)
         if resumed is not None:

@@ -30,6 +30,9 @@ def checkpointed_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor
 
 
 class Autograd:
+    # Its step is its gradients and one optimizer update: the learner may accumulate and clip them.
+    gradient_step = True
+
     def __init__(self, name: str, model: nn.Module,
                  forward: Callable[[nn.Module, torch.Tensor], torch.Tensor], **options: Any) -> None:
         no_options(name, options)

@@ -38,7 +38,7 @@ from edgetrain.losses import task_loss
 from edgetrain.methods.base import (METHODS, plain_sgd_learning_rates, require_finite, require_finite_gradients,
                                     require_finite_update, require_step_fits, trainable_parameters)
 from edgetrain.methods.fgd import Unit, block_units
-from edgetrain.methods.options import int_option, positive_number_option
+from edgetrain.methods.configs import method_config
 from edgetrain.registry import EdgetrainError
 
 
@@ -92,9 +92,9 @@ def mezo_units(model: nn.Module, params: dict[str, nn.Parameter]) -> list[Unit]:
 class ZerothOrder:
     name = "mezo"
 
-    def __init__(self, model: nn.Module, epsilon: float = 1e-3, seed: int = 0) -> None:
-        self.epsilon = positive_number_option("mezo", "epsilon", epsilon)
-        self.seed = int_option("mezo", "seed", seed)
+    def __init__(self, model: nn.Module, **options: Any) -> None:
+        config = method_config("mezo", options)  # the options MLX's mezo takes too (methods/configs.py)
+        self.epsilon, self.seed = config.epsilon, config.seed
         self.model = model
         self.params = trainable_parameters(model)
         self.units = mezo_units(model, self.params)

@@ -30,18 +30,17 @@ from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK, QUANTIZED_HEAD_VOCA
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import QUANTIZED_HEADS, QuantizedEmbedding
-from edgetrain.methods.options import flag_option, positive_int_option
+from edgetrain.methods.configs import MeSPConfig, method_config
 from edgetrain.registry import EdgetrainError
 
-# Defaults measured on the Qwen2.5-0.5B shape (fp32, CPU): they keep every matmul large enough to
-# run at full speed while the peak stays within 2x from seq 256 to 1024. Smaller chunks lower the
-# peak further (mlp_chunk=128: -35% at seq 256) at some speed.
+# The defaults (MeSPConfig's, shared with MLX) keep every matmul large enough to run at full speed
+# while the peak stays within 2x from seq 256 to 1024; smaller chunks lower the peak at some speed.
 # Query rows per attention chunk: the score temporaries are [B, H, chunk, T].
-DEFAULT_ATTENTION_CHUNK = 64
+DEFAULT_ATTENTION_CHUNK = MeSPConfig.attention_chunk
 # Tokens per MLP chunk: the temporaries are four [chunk, intermediate_size] buffers.
-DEFAULT_MLP_CHUNK = 256
+DEFAULT_MLP_CHUNK = MeSPConfig.mlp_chunk
 # Tokens per loss tile row: the logits tile is [chunk, 4096].
-DEFAULT_LOSS_CHUNK = 256
+DEFAULT_LOSS_CHUNK = MeSPConfig.loss_chunk
 
 BlockGradientsHook = Callable[[int, dict[str, torch.Tensor]], None]
 
@@ -77,14 +76,6 @@ def _lora_parameter_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _positive_int(name: str, value: Any) -> int:
-    return positive_int_option("mesp", name, value)
-
-
-def _flag(name: str, value: Any) -> bool:
-    return flag_option("mesp", name, value)
-
-
 class StructuredBackprop:
     """The `mesp` training method (see the module docstring).
 
@@ -107,23 +98,21 @@ class StructuredBackprop:
         instead of recomputing it (the paper's Table 5 "store" ablation; [N, rank] per adapter).
     attention_chunk / mlp_chunk / loss_chunk: query rows / tokens / tokens per chunk; smaller
         chunks lower the peak, larger ones run fewer, bigger matmuls.
+    vocab_chunk: vocabulary rows per loss tile (default 4096; 512 for a quantised head on a CPU).
+    The options are edgetrain.methods.configs.MeSPConfig, shared with MLX's mesp.
     """
+
+    # Its step is its gradients and one optimizer update: the learner may accumulate and clip them.
+    gradient_step = True
 
     name = "mesp"
 
-    def __init__(self, model: nn.Module, *, fused_update: bool = False, rollback: bool = True,
-                 store_lora_projection: bool = False,
-                 attention_chunk: int = DEFAULT_ATTENTION_CHUNK, mlp_chunk: int = DEFAULT_MLP_CHUNK,
-                 loss_chunk: int = DEFAULT_LOSS_CHUNK, **unknown: Any) -> None:
-        if unknown:
-            raise EdgetrainError(f"mesp: unknown option(s) {', '.join(sorted(unknown))}; known: fused_update, "
-                                 "rollback, store_lora_projection, attention_chunk, mlp_chunk, loss_chunk")
-        self.fused_update = _flag("fused_update", fused_update)
-        self.rollback = _flag("rollback", rollback)
-        self.store_lora_projection = _flag("store_lora_projection", store_lora_projection)
-        self.attention_chunk = _positive_int("attention_chunk", attention_chunk)
-        self.mlp_chunk = _positive_int("mlp_chunk", mlp_chunk)
-        self.loss_chunk = _positive_int("loss_chunk", loss_chunk)
+    def __init__(self, model: nn.Module, **options: Any) -> None:
+        config = method_config("mesp", options)  # the options MLX's mesp takes too (methods/configs.py)
+        self.fused_update, self.rollback = config.fused_update, config.rollback
+        self.store_lora_projection = config.store_lora_projection
+        self.attention_chunk, self.mlp_chunk, self.loss_chunk = config.attention_chunk, config.mlp_chunk, config.loss_chunk
+        self.vocab_chunk = config.vocab_chunk
         check_decoder(model)
         self.model = model
         self.params = trainable_parameters(model)
@@ -138,6 +127,13 @@ class StructuredBackprop:
         # Block-relative parameter name -> model parameter name, per block (for trainable ones only).
         self._names = [{local: f"blocks.{i}.{local}" for local, _ in block.named_parameters()
                         if f"blocks.{i}.{local}" in self.params} for i, block in enumerate(model.blocks)]
+
+    def _vocab_chunk(self, dense_head: bool, device: torch.device) -> int:
+        """The option, else 4096 rows (a quantised head on a CPU: QUANTIZED_HEAD_VOCAB_CHUNK, near the
+        dequantised tile's size)."""
+        if self.vocab_chunk is not None:
+            return self.vocab_chunk
+        return DEFAULT_VOCAB_CHUNK if dense_head or device.type != "cpu" else QUANTIZED_HEAD_VOCAB_CHUNK
 
     @property
     def partial_updates(self) -> bool:
@@ -175,9 +171,7 @@ class StructuredBackprop:
         dense_head = type(head.lm_head) is nn.Linear
         loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps,
                                      head.lm_head.weight if dense_head else head.lm_head,  # dequantised per tile
-                                     batch.targets, self.loss_chunk,
-                                     DEFAULT_VOCAB_CHUNK if dense_head or hidden.device.type != "cpu"
-                                     else QUANTIZED_HEAD_VOCAB_CHUNK)
+                                     batch.targets, self.loss_chunk, self._vocab_chunk(dense_head, hidden.device))
         if require_finite_loss:
             require_finite(float(loss), "loss")
         del hidden

@@ -33,6 +33,9 @@ def checkpointed_forward(model: nn.Module, inputs: mx.array) -> mx.array:
 
 
 class Autodiff:
+    # Its step is its gradients and one optimizer update: the learner may accumulate and clip them.
+    gradient_step = True
+
     def __init__(self, name: str, model: nn.Module, forward: Callable[[nn.Module, mx.array], mx.array],
                  **options: Any) -> None:
         no_options(name, options)

@@ -25,13 +25,13 @@ from edgetrain.backends.mlx.methods.mesp_block import BlockWeights, block_backwa
 from edgetrain.backends.mlx.methods.mesp_ops import compute_dtype, rms_norm_backward, rms_norm_forward
 from edgetrain.backends.mlx.model import MLXDecoder
 from edgetrain.losses import IGNORE_INDEX
-from edgetrain.methods.options import flag_option, positive_int_option
+from edgetrain.methods.configs import MeSPConfig, method_config
 from edgetrain.registry import EdgetrainError
 
 # The torch method's defaults (edgetrain.methods.mesp.method), for the same bounded temporaries.
-DEFAULT_ATTENTION_CHUNK = 64
-DEFAULT_MLP_CHUNK = 256
-DEFAULT_LOSS_CHUNK = 256
+DEFAULT_ATTENTION_CHUNK = MeSPConfig.attention_chunk
+DEFAULT_MLP_CHUNK = MeSPConfig.mlp_chunk
+DEFAULT_LOSS_CHUNK = MeSPConfig.loss_chunk
 DEFAULT_VOCAB_CHUNK = 4096
 
 BlockGradientsHook = Callable[[int, dict[str, mx.array]], None]
@@ -100,36 +100,24 @@ def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weig
     return (loss_sum * inverse_count).astype(work), grad_hidden.reshape(hidden.shape)
 
 
-def _positive_int(name: str, value: Any) -> int:
-    return positive_int_option("mesp", name, value)
-
-
-def _flag(name: str, value: Any) -> bool:
-    return flag_option("mesp", name, value)
-
-
 class StructuredBackprop:
-    """The MLX `mesp` method. Options as on torch: fused_update, store_lora_projection,
-    attention_chunk, mlp_chunk, loss_chunk (plus vocab_chunk, the loss tile's width)."""
+    """The MLX `mesp` method. Its options are torch's (edgetrain.methods.configs.MeSPConfig):
+    fused_update, rollback, store_lora_projection, attention_chunk, mlp_chunk, loss_chunk, vocab_chunk."""
+
+    # Its step is its gradients and one optimizer update: the learner may accumulate and clip them.
+    gradient_step = True
 
     name = "mesp"
 
-    def __init__(self, model: nn.Module, *, fused_update: bool = False, store_lora_projection: bool = False,
-                 attention_chunk: int = DEFAULT_ATTENTION_CHUNK, mlp_chunk: int = DEFAULT_MLP_CHUNK,
-                 loss_chunk: int = DEFAULT_LOSS_CHUNK, vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
-                 **unknown: Any) -> None:
-        if unknown:
-            raise EdgetrainError(f"mesp: unknown option(s) {', '.join(sorted(unknown))}; known: fused_update, "
-                                 "store_lora_projection, attention_chunk, mlp_chunk, loss_chunk, vocab_chunk")
+    def __init__(self, model: nn.Module, **options: Any) -> None:
+        config = method_config("mesp", options)  # the options torch's mesp takes too (methods/configs.py)
         if not isinstance(model, MLXDecoder):
             raise EdgetrainError(f"MLX mesp works on MLX decoders (edgetrain.backends.mlx.model.MLXDecoder), "
                                  f"not a {type(model).__name__}; use 'mebp' or 'bp' for other models")
-        self.fused_update = _flag("fused_update", fused_update)
-        self.store_lora_projection = _flag("store_lora_projection", store_lora_projection)
-        self.attention_chunk = _positive_int("attention_chunk", attention_chunk)
-        self.mlp_chunk = _positive_int("mlp_chunk", mlp_chunk)
-        self.loss_chunk = _positive_int("loss_chunk", loss_chunk)
-        self.vocab_chunk = _positive_int("vocab_chunk", vocab_chunk)
+        self.fused_update, self.rollback = config.fused_update, config.rollback
+        self.store_lora_projection = config.store_lora_projection
+        self.attention_chunk, self.mlp_chunk, self.loss_chunk = config.attention_chunk, config.mlp_chunk, config.loss_chunk
+        self.vocab_chunk = DEFAULT_VOCAB_CHUNK if config.vocab_chunk is None else config.vocab_chunk
         self.model = model
         params = trainable_parameters(model)
         adapters = {f"blocks.{i}.{path}.{part}" for i, block in enumerate(model.blocks)
@@ -145,7 +133,9 @@ class StructuredBackprop:
 
     @property
     def partial_updates(self) -> bool:
-        return self.fused_update
+        # With fused_update a non-finite gradient can be found after later blocks were updated: with
+        # rollback the learner keeps a snapshot to put them back (arrays are immutable: it costs nothing).
+        return self.fused_update and self.rollback
 
     def run(self, inputs: mx.array, targets: mx.array, on_block_gradients: BlockGradientsHook) -> mx.array:
         """Forward, chunked loss and the reverse walk; calls on_block_gradients(block index,

@@ -14,20 +14,18 @@ import mlx.nn as nn
 from edgetrain.backends.mlx.lora import set_parameters, trainable_parameters
 from edgetrain.backends.mlx.methods.common import MLX_METHODS, lm_loss, require_lm
 from edgetrain.methods.base import require_finite
-from edgetrain.registry import EdgetrainError
+from edgetrain.methods.configs import method_config
 
 
 class ZerothOrder:
     name = "mezo"
 
-    def __init__(self, model: nn.Module, epsilon: float = 1e-3, seed: int = 0) -> None:
-        if not epsilon > 0:
-            raise EdgetrainError(f"mezo: epsilon must be positive, got {epsilon!r}")
+    def __init__(self, model: nn.Module, **options: Any) -> None:
+        config = method_config("mezo", options)  # the options torch's mezo takes too (methods/configs.py)
         require_lm(model, "mezo")
         self.model = model
         self.names = list(trainable_parameters(model))
-        self.epsilon = float(epsilon)
-        self.seed = int(seed)
+        self.epsilon, self.seed = config.epsilon, config.seed
         self.steps_taken = 0
 
     def _step_seed(self) -> int:
