@@ -72,6 +72,19 @@ SCHEDULES.add("linear", _linear)                # warm-up, then linear decay to 
 SCHEDULES.add("cosine", _cosine)                # warm-up, then cosine decay to the floor
 
 
+def warmup_cosine_factor(step: int, total: int, warmup: int, floor: float) -> float:
+    """The papers' warm-up and cosine (SegProp's Eq. F.1; subnetwork DP's set-up) as a multiple of the
+    peak rate: a linear ramp (step + 1) / warmup that reaches the peak on the last warm-up step, then cosine
+    from 1 down to `floor` at step `total` (and `floor` after it). The learner's "cosine" ramps from
+    lr / (warmup + 1) instead, so that no step of its warm-up runs at the full rate."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if total <= warmup:  # no room for a cosine: here step >= warmup >= total, past the end
+        return floor
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * progress))
+
+
 def check_learning_rate(lr: Any, where: str = "lr") -> float:
     """A finite, non-negative float, or ScheduleError naming the value."""
     if isinstance(lr, bool) or not isinstance(lr, (int, float)):

@@ -80,3 +80,11 @@ def test_a_config_checks_its_values_once_and_keeps_its_defaults():
     assert method_config("mesp", {}) == MeSPConfig()
     assert method_config("mesp", {"vocab_chunk": None}).vocab_chunk is None
     assert method_config("mezo", {"epsilon": 2}).epsilon == 2.0
+
+
+def test_torch_mezo_refuses_an_epsilon_its_parameters_dtype_cannot_hold(tiny_lora):
+    # found by the hostile-values fuzz: torch.add(alpha=3.4028234663852889e38) overflowed inside torch
+    with pytest.raises(EdgetrainError, match="epsilon .* beyond what .* torch.float32 holds"):
+        METHODS.get("mezo")(tiny_lora(), epsilon=3.402823466385289e38)
+    with pytest.raises(EdgetrainError, match="torch.float16 holds"):
+        METHODS.get("mezo")(tiny_lora().half(), epsilon=1e5)

@@ -97,6 +97,12 @@ class ZerothOrder:
         self.epsilon, self.seed = config.epsilon, config.seed
         self.model = model
         self.params = trainable_parameters(model)
+        # theta + eps z is computed in the parameters' dtype: an epsilon it cannot hold is refused here
+        # rather than failing inside torch at the first step.
+        for name, param in self.params.items():
+            if param.is_floating_point() and self.epsilon > torch.finfo(param.dtype).max:
+                raise EdgetrainError(f"mezo: epsilon {self.epsilon!r} is beyond what {name}'s {param.dtype} holds "
+                                     f"({torch.finfo(param.dtype).max:.3g})")
         self.units = mezo_units(model, self.params)
         self.steps_taken = 0
 

@@ -15,6 +15,7 @@ from edgetrain.methods.subnet_dp.plan import SubnetPlan
 from edgetrain.models.resnet import ResNet
 from edgetrain.models.resnet_subnet import SubnetResNetConfig
 from edgetrain.registry import EdgetrainError
+from edgetrain.schedules import warmup_cosine_factor
 
 SCHEDULERS = ("cosine", "multistep")
 
@@ -66,12 +67,10 @@ def lr_factor(step: int, total: int, config: SubnetDPConfig) -> float:
     """lr(step) / lr: linear warm-up over the first warmup_fraction of steps, then cosine to lr_min or
     multi-step decay."""
     warmup = int(round(config.warmup_fraction * total))
+    if config.scheduler == "cosine":
+        return warmup_cosine_factor(step, total, warmup, config.lr_min / config.lr)
     if step < warmup:
         return (step + 1) / warmup
-    if config.scheduler == "cosine":
-        progress = (step - warmup) / max(1, total - warmup)
-        floor = config.lr_min / config.lr
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     passed = sum(step >= round(m * total) for m in config.milestones)
     return config.gamma ** passed
 

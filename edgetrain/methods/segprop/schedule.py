@@ -3,24 +3,17 @@ plateau), where the run stands, and the learning-rate multipliers of the segment
 (SegProp appendix F). Plain numbers only; the trainer applies them."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from edgetrain.registry import EdgetrainError
+from edgetrain.schedules import warmup_cosine_factor
 
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def cosine_multiplier(step: int, total: int, warmup: int, floor: float) -> float:
-    """SegProp's Eq. F.1 as a multiplier of the peak rate: linear warm-up over `warmup` steps, then
-    cosine from 1 down to `floor` at step `total` (and `floor` after it)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if total <= warmup:  # no room for a cosine: here step >= warmup >= total, past the end
-        return floor
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + 0.5 * (1.0 - floor) * (1.0 + math.cos(math.pi * progress))
+# SegProp's Eq. F.1 as a multiplier of the peak rate (shared with subnetwork DP: edgetrain.schedules).
+cosine_multiplier = warmup_cosine_factor
 
 
 def stage_budgets(name: str, steps: int | Sequence[int] | None, count: int) -> list[int | None]:
