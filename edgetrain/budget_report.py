@@ -4,8 +4,7 @@ and what to try instead.
 
 A method is ranked by what its step adds above the weights, never by weights + step: the weights are
 the same for every method, and a figure that mixed in memory-mapped weights paged in by the first
-forward once ranked mebp (698 MiB) below mesp (1,046 MiB) on SmolLM2-135M, where mesp's step adds about
-a tenth of mebp's.
+forward could rank a method below one whose step adds a tenth of its own.
 """
 from __future__ import annotations
 

@@ -6,38 +6,31 @@ reports and the memory-budget guard charges a step.
     window.added_bytes   # peak during the step - usage just before it - file pages it mapped in
 
 It is read by the learner's probe, with corrections for each way the same step used to read differently
-depending on what the process had done before (figures: SmolLM2-135M, mesp, LoRA r8, seq 64 / 256, the
-Linux probe; tests/test_step_memory.py has the tiny preset's):
+depending on what the process had done before (the figures are in docs/concepts.md, "Memory probes"):
 
-- Free heap memory. A process holds free heap chunks that are still resident -- 12.6 MiB of them after
-  loading that model, more after an autograd step ran before glibc's mmap threshold was pinned --, and
-  glibc serves even large requests from a free chunk that fits before it maps fresh memory: a step
-  served from them adds nothing to RSS, so later steps read 1.0 / 22 MiB (0.0 MiB on the tiny preset)
-  where the step's own tensors alone are 11.5 / 26 MiB. So before the step the free memory is given
-  back to the kernel (malloc_trim), and the heap's free chunks of 64 KiB or more are plugged for the
-  step's duration (edgetrain.probes.glibc.plugged_free_heap: untouched, they cost address space, not
-  memory). Trimming alone is not enough: blocks freed and allocated again during the step land at new
-  places in the chunks and stay resident, reading 30% high. Together about 1 ms.
-  The young garbage generations are collected too (cheap); a full collection (150 ms with a tokenizer's
-  300k objects loaded) is left to the first step, which the budget guard settles fully.
+- Free heap memory. A process holds free heap chunks that are still resident, and glibc serves even
+  large requests from a free chunk that fits before it maps fresh memory: a step served from them adds
+  nothing to RSS. So before the step the free memory is given back to the kernel (malloc_trim), and the
+  heap's free chunks of 64 KiB or more are plugged for the step's duration
+  (edgetrain.probes.glibc.plugged_free_heap: untouched, they cost address space, not memory). Trimming
+  alone is not enough: blocks freed and allocated again during the step land at new places in the
+  chunks and stay resident. The young garbage generations are collected too (cheap); a full collection
+  is left to the first step, which the budget guard settles fully.
 - File-backed pages the step maps in are not step memory: the weights of a checkpoint loaded
   memory-mapped (safetensors), read for the first time by the first forward, and the library code of
-  kernels run for the first time (10 MiB on the first step of that model). They are counted where
-  they belong -- the weights once, at their full size, by the budget guard; code not at all -- and
-  clean file pages are the kernel's to drop and read again. A probe that can tell them apart
-  (`file_backed_bytes()`, the Linux probe's RssFile) has their growth during the step subtracted. The
-  growth is read when the step ends, so pages mapped in after the step's peak are subtracted too; the
-  figure is then a lower bound, short by those pages (none in the steps measured: a forward maps the
-  weights in before the backward peaks).
+  kernels run for the first time. They are counted where they belong -- the weights once, at their full
+  size, by the budget guard; code not at all -- and clean file pages are the kernel's to drop and read
+  again. A probe that can tell them apart (`file_backed_bytes()`, the Linux probe's RssFile) has their
+  growth during the step subtracted. The growth is read when the step ends, so pages mapped in after the
+  step's peak are subtracted too; the figure is then a lower bound, short by those pages (a forward maps
+  the weights in before the backward peaks).
 - A probe that only sees memory while it is active (tensor accounting, a dispatch mode) is entered
   before the baseline is read: otherwise its first window counted the model it registers on entry as
   memory the step allocated.
 
 What remains is the step's own: the peak of its live tensors, the allocator's slack around them, kernel
-workspaces, and on the first step of a process its one-time allocations (thread pools, kernel caches:
-4-6 MiB on that model), which later steps no longer pay. Measured so, that model's steps after the first
-read 12.1-12.9 / 26.4 MiB in a fresh process and 13.0-13.3 / 26.5 MiB in one that ran bp, mebp and mezo
-steps first (its first step: 17.0 / 32.0 MiB); before, they read 1.0 / 22 MiB.
+workspaces, and on the first step of a process its one-time allocations (thread pools, kernel caches),
+which later steps no longer pay.
 """
 from __future__ import annotations
 

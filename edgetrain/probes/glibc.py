@@ -103,9 +103,8 @@ def plugged_free_heap(min_bytes: int = STABLE_MMAP_THRESHOLD_BYTES) -> Iterator[
 
     Sizes are tried from the arena's free total down by halves, never plugging more than that total; a block
     that malloc mapped fresh (its chunk header's IS_MMAPPED bit) ends that size. The arena is found by that bit, not by address: when brk cannot
-    grow the `[heap]` mapping, glibc extends the main arena with mappings elsewhere (seen after loading
-    SmolLM2-135M in a long test process: a 1.8 GB free chunk outside `[heap]`, which a plug by address
-    missed, so mesp steps read 34 MiB where a fresh process reads 18). Only the main arena (the main
+    grow the `[heap]` mapping, glibc extends the main arena with mappings elsewhere (a free chunk outside
+    `[heap]`, which a plug by address would miss). Only the main arena (the main
     thread's, which runs the step) is plugged. No-op off glibc."""
     libc = _libc()
     plugs: list[int] = []
