@@ -23,6 +23,36 @@ def test_readme_quick_start_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "adapter.safetensors").is_file()
 
 
+def test_readme_quick_start_runs_on_mlx_with_the_backend_named(tmp_path, monkeypatch, capsys):
+    """The same block with backend="mlx" in load_model and Learner, nothing else changed: add_lora and
+    save_lora take the MLX decoder, and the adapter file is edgetrain's."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install edgetrain[mlx])")
+    from edgetrain.adapters.convert import detect_format
+
+    text = README.read_text()
+    code = re.search(r"<!-- this block is executed by tests/test_readme.py -->\n```python\n(.*?)```", text, re.S).group(1)
+    for call in ('edgetrain.load_model("tiny"', "edgetrain.Learner(model, "):
+        assert code.count(call) == 1, call
+    code = code.replace('edgetrain.load_model("tiny"', 'edgetrain.load_model("tiny", backend="mlx"')
+    code = code.replace("edgetrain.Learner(model, ", 'edgetrain.Learner(model, backend="mlx", ')
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    out = capsys.readouterr().out
+    assert "(mlx)" in out and float(re.search(r"loss ([\d.]+)", out).group(1)) < 5.2
+    assert detect_format(tmp_path / "adapter.safetensors") == "edgetrain"
+    # The file holds the trained adapters: loaded into a fresh MLX decoder, the same logits.
+    import edgetrain
+    import mlx.core as mx
+    import numpy as np
+
+    fresh = edgetrain.load_model("tiny", backend="mlx", adapter=tmp_path / "adapter.safetensors")
+    tokens = mx.array(np.arange(12, dtype=np.int32)[None])
+    np.testing.assert_allclose(np.array(fresh(tokens)), np.array(scope["model"](tokens)), rtol=1e-5, atol=1e-5)
+    base = edgetrain.load_model("tiny", backend="mlx")
+    assert np.abs(np.array(fresh(tokens)) - np.array(base(tokens))).max() > 1e-3  # the adapters trained
+
+
 @pytest.mark.slow
 def test_readme_real_model_personalisation_runs_and_lowers_held_out_perplexity(tmp_path):
     """The README's command-line block on SmolLM2-135M, as written: 40 MeSP steps lower held-out perplexity

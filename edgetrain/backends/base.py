@@ -111,3 +111,16 @@ def text_functions_for(model: Any) -> ModuleType:
             return entry.require().text_functions()
     raise EdgetrainError(f"no backend generates text with a {type(model).__name__}"
                          + (f" (framework {framework!r})" if framework else ""))
+
+
+def backend_for_model(model: Any) -> Backend | None:
+    """The first backend of the framework a model of another framework than torch names in its
+    `framework` attribute (None for a torch model, which carries none)."""
+    framework = getattr(model, "framework", None)
+    if not isinstance(framework, str):
+        return None
+    for name in BACKENDS.names():
+        entry = BACKENDS.get(name)
+        if entry.framework == framework:
+            return entry.require()
+    raise EdgetrainError(f"no backend runs a {type(model).__name__} (framework {framework!r})")
