@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY = {
     "MODEL_PRESETS": "edgetrain.models", "load_model": "edgetrain.models",
-    "LoraConfig": "edgetrain.models.lora", "add_lora": "edgetrain.models.lora", "load_lora": "edgetrain.models.lora",
-    "merge_lora": "edgetrain.models.lora", "save_lora": "edgetrain.models.lora",
+    "LoraConfig": "edgetrain.models.lora", "add_lora": "edgetrain.adapters.portable",
+    "load_lora": "edgetrain.models.lora", "merge_lora": "edgetrain.models.lora", "save_lora": "edgetrain.adapters.portable",
     "unmerge_lora": "edgetrain.models.lora",
     "Learner": "edgetrain.learner", "StepStats": "edgetrain.learner",
     "generate": "edgetrain.models.generate", "held_out_loss": "edgetrain.models.generate",
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from edgetrain.learner import Learner, StepStats
     from edgetrain.models import MODEL_PRESETS, load_model
     from edgetrain.models.generate import generate, held_out_loss
-    from edgetrain.models.lora import LoraConfig, add_lora, load_lora, merge_lora, save_lora, unmerge_lora
+    from edgetrain.adapters.portable import add_lora, save_lora
+    from edgetrain.models.lora import LoraConfig, load_lora, merge_lora, unmerge_lora
     from edgetrain.personalise import Personaliser
 
 

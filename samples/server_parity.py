@@ -4,12 +4,12 @@ Each method trains one small config on scikit-learn's digits twice -- in this pr
 torchrun on localhost with gloo -- then compares the two runs: the largest |weight difference| after
 the last step, the largest |loss difference| over the steps, and each run's held-out accuracy.
 
-    segprop  2 ranks, DistributedDataParallel over the active path (edgetrain.distributed.ddp_segprop),
+    segprop  2 ranks, DistributedDataParallel over the active path (edgetrain.recipes.ddp_segprop),
              each rank on half of every global batch; one process: run_schedule on the whole batch.
-    scpl     2 workers, one per component, activations sent downstream (edgetrain.distributed.scpl_pipeline);
+    scpl     2 workers, one per component, activations sent downstream (edgetrain.recipes.scpl_pipeline);
              one process: Learner(method="scpl", num_components=2), the components in turn.
     subnet   4 ranks, P = 2 owners per block (block masking), each rank holding only its subnetwork
-             (edgetrain.distributed.subnet.trainer.train_subnet_dp); one process: the `subnet_dp`
+             (edgetrain.recipes.subnet_dp.trainer.train_subnet_dp); one process: the `subnet_dp`
              simulation of the same 4 workers on the full model.
 
     python samples/server_parity.py                       # all three, longer runs
@@ -31,7 +31,7 @@ from itself when its weights are nudged by 1e-7. `--subnet-noise-floor` measures
 the torchrun comparison; `--steps 300` shows both.
 
 This file is also the torchrun worker of the subnet comparison (`--worker subnet`): the CLI
-(python -m edgetrain.distributed.subnet.run) reports accuracies, not weights or per-step losses, so the
+(python -m edgetrain.recipes.subnet_dp.run) reports accuracies, not weights or per-step losses, so the
 worker calls the same trainer with a step callback and gathers the unified model at the end.
 """
 from __future__ import annotations
@@ -159,7 +159,7 @@ def segprop_parity(steps: int, timeout: float) -> Parity:
                 "--data-options", json.dumps(data), "--batch-size", str(cfg["batch"]),
                 "--steps-per-stage", str(steps), "--optimizer", "sgd", "--lr", str(cfg["lr"]),
                 "--method-options", json.dumps(cfg["options"]), "--backend", "gloo", "--out", str(out)]
-        run_torchrun(2, "edgetrain.distributed.ddp_segprop", argv, timeout)
+        run_torchrun(2, "edgetrain.recipes.ddp_segprop", argv, timeout)
         distributed = load_file(out)
         report = json.loads(out.with_suffix(".json").read_text())
 
@@ -179,7 +179,7 @@ def scpl_parity(steps: int, timeout: float) -> Parity:
     import edgetrain
     from edgetrain.checkpoint import load_safetensors_checked
     from edgetrain.data import make_stream
-    from edgetrain.distributed.scpl_pipeline import PipelineConfig, launch
+    from edgetrain.recipes.scpl_pipeline import PipelineConfig, launch
 
     cfg, started = SCPL, time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="server-parity-") as tmp:
@@ -212,7 +212,7 @@ def scpl_parity(steps: int, timeout: float) -> Parity:
 # -- subnetwork DP: the single-process simulation vs N ranks holding their subnetworks ----------------
 
 def subnet_setup(steps: int) -> tuple[Any, Any]:
-    from edgetrain.distributed.subnet.trainer import SubnetDPConfig
+    from edgetrain.recipes.subnet_dp.trainer import SubnetDPConfig
     from edgetrain.models.resnet_subnet import digits_subnet_config
 
     cfg = SUBNET
@@ -222,8 +222,8 @@ def subnet_setup(steps: int) -> tuple[Any, Any]:
 
 
 def subnet_parity(steps: int, timeout: float) -> Parity:
-    from edgetrain.distributed.subnet.run import launch_local, load_data, save_data_file
-    from edgetrain.distributed.subnet.trainer import train_simulated
+    from edgetrain.recipes.subnet_dp.run import launch_local, load_data, save_data_file
+    from edgetrain.recipes.subnet_dp.trainer import train_simulated
 
     cfg, started = SUBNET, time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="server-parity-") as tmp:
@@ -249,8 +249,8 @@ def subnet_noise_floor(steps: int) -> tuple[float, float]:
     """The one-process subnet run twice, the second with every weight scaled by (1 + 1e-7 * N(0, 1))
     after its first step -- a perturbation of the size of float32 rounding. How far apart the two end
     up is how far rounding alone carries this run: the floor under any torchrun comparison."""
-    from edgetrain.distributed.subnet.run import load_data
-    from edgetrain.distributed.subnet.trainer import train_simulated
+    from edgetrain.recipes.subnet_dp.run import load_data
+    from edgetrain.recipes.subnet_dp.trainer import train_simulated
 
     train, _ = load_data("digits")
     model_config, config = subnet_setup(steps)
@@ -274,9 +274,9 @@ def subnet_worker(args: argparse.Namespace) -> int:
     and writes every rank's per-step losses and test metrics to --json."""
     import torch.distributed as dist
 
-    from edgetrain.distributed.subnet.averaging import gather_full_state
-    from edgetrain.distributed.subnet.run import load_data
-    from edgetrain.distributed.subnet.trainer import train_subnet_dp
+    from edgetrain.recipes.subnet_dp.averaging import gather_full_state
+    from edgetrain.recipes.subnet_dp.run import load_data
+    from edgetrain.recipes.subnet_dp.trainer import train_subnet_dp
 
     spec = json.loads(args.worker_config)
     torch.set_num_threads(1)

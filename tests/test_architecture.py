@@ -115,12 +115,23 @@ def test_no_import_cycle_inside_edgetrain_even_through_imports_inside_functions(
 
 
 def test_methods_never_import_distributed():
-    # A method is what one process runs; the multi-process programs in edgetrain/distributed/ build on the
-    # methods, never the other way round (subnet_dp's masks and simulation live in methods/subnet_dp/).
+    # A method is what one process runs; the multi-process programs (edgetrain/recipes/) and the mechanisms
+    # they run on (edgetrain/distributed/) build on the methods, never the other way round (subnet_dp's masks
+    # and simulation live in methods/subnet_dp/).
     graph = import_graph()
     offenders = sorted(f"{module} imports {target}" for module, targets in graph.items()
                        if module.startswith("edgetrain.methods") for target in targets
                        if target.startswith("edgetrain.distributed"))
+    assert offenders == [], "\n".join(offenders)
+
+
+def test_methods_never_import_recipes_and_mechanisms_never_import_programs():
+    # Recipes (edgetrain/recipes/) are programs over the methods; the distributed mechanisms they run on
+    # (launching torchrun, transport) know no recipe.
+    graph = import_graph()
+    offenders = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                       if (module.startswith("edgetrain.methods") or module.startswith("edgetrain.distributed"))
+                       and target.startswith("edgetrain.recipes"))
     assert offenders == [], "\n".join(offenders)
 
 

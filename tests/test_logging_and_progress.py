@@ -17,7 +17,7 @@ from edgetrain.progress import NoBar, progress_bar
 PACKAGE = Path(edgetrain.__file__).resolve().parent
 # Programs (a main() run from the command line) may print their results; library code may not.
 PRINTING_ALLOWED = {"cli", "profiler/worker.py", "backends/mlx/profile.py", "distributed/elastic_run.py",
-                    "distributed/scpl_pipeline.py", "distributed/subnet/run.py"}
+                    "recipes/scpl_pipeline.py", "recipes/subnet_dp/run.py"}
 
 
 def _allowed(path: Path) -> bool:

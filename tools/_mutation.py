@@ -68,11 +68,11 @@ TARGETS: dict[str, Target] = {
         "tests/reliability/test_resume_restores_everything.py"]),
     # The single-process reference of the average; MaskedAverager is tested only across torchrun processes
     # (a minute a run), so it is a target of its own.
-    "averaging": Target(["edgetrain/distributed/subnet/averaging.py"], [
+    "averaging": Target(["edgetrain/recipes/subnet_dp/averaging.py"], [
         "tests/promises/test_step_formula*subnet*.py", KILLS, "tests/distributed/test_subnet_subnetwork.py",
         "tests/distributed/test_subnet_method.py"],
         only=["average_masked_gradients", "_ring_wire_bytes"]),
-    "averaging_torchrun": Target(["edgetrain/distributed/subnet/averaging.py"], [
+    "averaging_torchrun": Target(["edgetrain/recipes/subnet_dp/averaging.py"], [
         KILLS_OF.format("averaging_torchrun"), "tests/distributed/test_subnet_distributed.py"],
         only=["_Piece", "_Bucket", "MaskedAverager", "gather_full_state"]),
     "subnet_method": Target(["edgetrain/methods/subnet_dp/method.py"], [

@@ -97,7 +97,7 @@ class Workload:
     description: str
 
     def build(self) -> torch.nn.Module:
-        from edgetrain.distributed.scpl_pipeline import build_model
+        from edgetrain.recipes.scpl_pipeline import build_model
 
         return build_model(self.builder)
 
@@ -113,7 +113,7 @@ WORKLOADS = {
 
 
 def batches(model: torch.nn.Module, count: int) -> list[Batch]:
-    from edgetrain.distributed.scpl_pipeline import random_stream
+    from edgetrain.recipes.scpl_pipeline import random_stream
 
     stream = random_stream(model, BATCH, seed=0)
     return [next(stream) for _ in range(count)]
@@ -155,7 +155,7 @@ def subprocess_cell(workload: str, method: str, threads: int, warmup: int, steps
 
 def pipeline_cell(workload: str, workers: int, warmup: int, steps: int, split: list[int], micro_batches: int = 1,
                   memory: bool = False) -> dict:
-    from edgetrain.distributed.scpl_pipeline import PipelineConfig, launch
+    from edgetrain.recipes.scpl_pipeline import PipelineConfig, launch
 
     config = PipelineConfig(model=WORKLOADS[workload].builder, method="scpl", method_options={"views": 1, "split": split},
                             data="random", batch_size=BATCH, steps=steps, warmup_steps=warmup, optimizer="adam",
@@ -242,7 +242,7 @@ def balance(workload: str, steps: int = 6, warmup: int = 2) -> None:
 # -- memory -------------------------------------------------------------------------------------
 
 def in_process_memory(method: str) -> dict:
-    from edgetrain.distributed.scpl_pipeline import SavedActivations
+    from edgetrain.recipes.scpl_pipeline import SavedActivations
     from edgetrain.probes.tensors import TensorAccountant
 
     torch.set_num_threads(1)

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from edgetrain.distributed.subnet.run import launch_local, load_data  # noqa: E402
-from edgetrain.distributed.subnet.trainer import (SubnetDPConfig, train_simulated,  # noqa: E402
+from edgetrain.recipes.subnet_dp.run import launch_local, load_data  # noqa: E402
+from edgetrain.recipes.subnet_dp.trainer import (SubnetDPConfig, train_simulated,  # noqa: E402
                                                   train_stochastic_depth)
 from edgetrain.methods.subnet_dp.alignment import mean_alignment  # noqa: E402
 from edgetrain.models.resnet_subnet import digits_subnet_config  # noqa: E402

@@ -466,7 +466,7 @@ def run_asyncfgd(task: Task, s: Settings) -> dict[str, Any]:
 
 
 def run_subnet(task: Task, s: Settings) -> dict[str, Any]:
-    from edgetrain.distributed.subnet.trainer import SubnetDPConfig, train_simulated
+    from edgetrain.recipes.subnet_dp.trainer import SubnetDPConfig, train_simulated
     from edgetrain.models.resnet_subnet import digits_subnet_config
 
     train_x, train_y, test_x, test_y = digits_fold(s.digits_limit, s.folds, task.seed, task.fold)

@@ -19,8 +19,8 @@ CLI_MARKER = "<!-- cli-reference -->"
 TARGETS_MARKER = "<!-- targets-table -->"
 
 # Server-side programs started with `torchrun ... -m MODULE`; each module has build_parser().
-TORCHRUN_ENTRY_POINTS = ("edgetrain.distributed.ddp_segprop", "edgetrain.distributed.scpl_pipeline",
-                         "edgetrain.distributed.subnet.run")
+TORCHRUN_ENTRY_POINTS = ("edgetrain.recipes.ddp_segprop", "edgetrain.recipes.scpl_pipeline",
+                         "edgetrain.recipes.subnet_dp.run")
 
 
 class _Captured(Exception):

@@ -9,7 +9,6 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -145,11 +144,7 @@ def _resolve(block: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 
 
 def add_lora(model: nn.Module, config: LoraConfig | None = None, **overrides) -> nn.Module:
-    """Freeze every weight of `model` and wrap the target linears of each block with LoRA (in place). A
-    model of another framework (an MLX decoder) gets its own backend's LoRA."""
-    other = _other_framework(model)
-    if other is not None:
-        return other.adapter_functions()[0](model, config, **overrides)
+    """Freeze every weight of `model` and wrap the target linears of each block with LoRA (in place)."""
     config = config or LoraConfig(**overrides)
     if overrides and config is not None and not isinstance(config, LoraConfig):
         raise EdgetrainError("add_lora takes a LoraConfig or keyword overrides")
@@ -194,33 +189,11 @@ def unmerge_lora(model: nn.Module) -> None:
 
 
 def save_lora(model: nn.Module, path: str | Path) -> Path:
-    """Write only the adapter weights (safetensors, atomically) with the LoRA config in its metadata; from
-    a model of another framework (an MLX decoder) too, in the same format."""
-    other = _other_framework(model)
-    if other is not None:
-        return _save_other_frameworks_lora(other, model, path)
+    """Write only the adapter weights (safetensors, atomically) with the LoRA config in its metadata."""
     config = getattr(model, "lora_config", None)
     if config is None:
         raise EdgetrainError("model has no LoRA adapters to save")
     return write_lora_file(config, lora_state_dict(model), path)
-
-
-def _other_framework(model: Any) -> Any:
-    from edgetrain.backends.base import backend_for_model
-
-    return None if isinstance(model, nn.Module) else backend_for_model(model)
-
-
-def _save_other_frameworks_lora(backend: Any, model: Any, path: str | Path) -> Path:
-    """Its backend's adapter format, converted to edgetrain's one file (edgetrain.adapters.convert)."""
-    import tempfile
-
-    from edgetrain.adapters.convert import convert_adapter
-
-    save_adapter = backend.adapter_functions()[1]
-    with tempfile.TemporaryDirectory(prefix="edgetrain-lora-") as scratch:
-        written = save_adapter(model, Path(scratch) / "adapter")
-        return convert_adapter(written, path, "edgetrain")
 
 
 def write_lora_file(config: LoraConfig, tensors: dict[str, torch.Tensor], path: str | Path) -> Path:

@@ -11,7 +11,7 @@ methods are compared on equal terms.
 A stage lasts `epochs_per_stage` passes over the stream (`stream.batches_per_epoch` steps each), or
 `steps_per_stage` steps, or less on a plateau (method options plateau_*). With `snapcheck=True` and
 a stream in a fixed order (shuffle=False) batch ids repeat every epoch, so every epoch of a stage after
-its first skips the frozen prefix. In a distributed run (edgetrain.distributed.ddp_segprop) `shard`
+its first skips the frozen prefix. In a distributed run (edgetrain.recipes.ddp_segprop) `shard`
 cuts each global batch to this rank's rows and `configure` installs the DDP hooks on the method.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ def ci_failure(root_exitcode: int = -6) -> ChildFailedError:
                 1: ProcessFailure(1, 1337, root_exitcode, "")}
     for rank, failure in failures.items():
         failure.timestamp = 1000 + (0 if rank == 1 else 5)
-    return ChildFailedError("edgetrain.distributed.scpl_pipeline", failures)
+    return ChildFailedError("edgetrain.recipes.scpl_pipeline", failures)
 
 
 def test_the_command_runs_the_module_standalone():

@@ -9,7 +9,7 @@ import torch
 import edgetrain
 from edgetrain.checkpoint import load_safetensors_checked
 from edgetrain.data import make_stream
-from edgetrain.distributed.scpl_pipeline import PipelineConfig, launch
+from edgetrain.recipes.scpl_pipeline import PipelineConfig, launch
 from edgetrain.models import load_model
 
 STEPS = 6

@@ -55,7 +55,7 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path, method):
             "--batch-size", str(GLOBAL_BATCH), "--steps-per-stage", str(STEPS), "--optimizer", "sgd", "--lr", str(LR),
             "--method-options", json.dumps(OPTIONS), "--backend", "gloo", "--out", str(out)]
     try:
-        run = run_torchrun(2, "edgetrain.distributed.ddp_segprop", argv, timeout=400, cwd=tmp_path)
+        run = run_torchrun(2, "edgetrain.recipes.ddp_segprop", argv, timeout=400, cwd=tmp_path)
     except EdgetrainError as exc:
         pytest.fail(str(exc))
     if run.returncode != 0:

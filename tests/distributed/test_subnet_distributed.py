@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edgetrain.distributed.subnet.run import launch_local, save_data_file
+from edgetrain.recipes.subnet_dp.run import launch_local, save_data_file
 
 
 WORKERS = str(Path(__file__).resolve().parent / "workers")
@@ -130,8 +130,8 @@ def test_digits_block_masking_unified_model_is_within_1_5_points_of_dp_over_seed
     pytest.importorskip("sklearn")
     from statistics import fmean
 
-    from edgetrain.distributed.subnet.run import load_data
-    from edgetrain.distributed.subnet.trainer import SubnetDPConfig, train_simulated
+    from edgetrain.recipes.subnet_dp.run import load_data
+    from edgetrain.recipes.subnet_dp.trainer import SubnetDPConfig, train_simulated
     from edgetrain.models.resnet_subnet import digits_subnet_config
 
     train, test = load_data("digits")

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import edgetrain
 import edgetrain.methods.subnet_dp.method  # noqa: F401  (registers subnet_dp)
 from edgetrain.data.batch import Batch
-from edgetrain.distributed.subnet.config import SubnetDPConfig, epochs_to_run, lr_factor, total_steps
-from edgetrain.distributed.subnet.trainer import train_simulated, train_stochastic_depth
+from edgetrain.recipes.subnet_dp.config import SubnetDPConfig, epochs_to_run, lr_factor, total_steps
+from edgetrain.recipes.subnet_dp.trainer import train_simulated, train_stochastic_depth
 from edgetrain.methods.base import METHODS, TrainingError
 from edgetrain.methods.subnet_dp.alignment import gradient_alignment, mean_alignment
 from edgetrain.methods.subnet_dp.assign import assign_masks
@@ -50,7 +50,7 @@ def test_registered_and_driven_by_the_learner():
 
 def test_reachable_by_name_from_a_plain_import_edgetrain():
     """`import edgetrain` imports edgetrain.methods, which registers subnet_dp itself: a user never has
-    to import edgetrain.distributed.subnet to get the method (or the subnet ResNet presets) by name."""
+    to import edgetrain.recipes.subnet_dp to get the method (or the subnet ResNet presets) by name."""
     import edgetrain.methods
 
     assert edgetrain.methods.subnet_dp.__name__ == "edgetrain.methods.subnet_dp"
@@ -128,7 +128,7 @@ def test_schedules_and_flop_matching():
     assert epochs_to_run(SubnetDPConfig(epochs=10, flop_matched=False), 8, 4) == 10
     assert total_steps(SubnetDPConfig(epochs=2, batch_size=16), 4, 2, 1437) == 4 * 22  # 1437 // 64 = 22
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    from edgetrain.distributed.subnet.config import make_optimizer
+    from edgetrain.recipes.subnet_dp.config import make_optimizer
 
     sgd, _ = make_optimizer([torch.nn.Parameter(torch.zeros(1))], config, 10)
     assert sgd.defaults["nesterov"] and sgd.defaults["momentum"] == 0.9

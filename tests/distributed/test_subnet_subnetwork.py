@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgetrain.distributed.subnet.averaging import average_masked_gradients
+from edgetrain.recipes.subnet_dp.averaging import average_masked_gradients
 from edgetrain.methods.subnet_dp.assign import assign_masks
 from edgetrain.methods.subnet_dp.subnetwork import (DroppedBlock, SlimBasicBlock, SubsetGroupNorm,
                                                      full_model_from_subnetworks, masked_forward,

@@ -229,6 +229,6 @@ def test_subnet_dp_with_one_worker_is_plain_gradient_descent():
 def test_subnet_wire_bytes_are_a_ring_all_reduce(members: int, payload: int, expected: int):
     # The subnet run's report counts what each rank sends: a ring all-reduce among n ranks sends
     # 2 (n - 1) / n of the payload, and a set of one sends nothing.
-    from edgetrain.distributed.subnet.averaging import _ring_wire_bytes
+    from edgetrain.recipes.subnet_dp.averaging import _ring_wire_bytes
 
     assert _ring_wire_bytes(payload, members) == expected

@@ -1,7 +1,7 @@
 """Promises of the multi-process engine of subnetwork data parallelism that mutation testing found
 unguarded (tools/mutation averaging_torchrun, docs/mutation.md): each test here kills mutants of
 `_Piece`, `_Bucket`, `MaskedAverager` and `gather_full_state` in
-edgetrain/distributed/subnet/averaging.py that every other test let survive. Named after the promise,
+edgetrain/recipes/subnet_dp/averaging.py that every other test let survive. Named after the promise,
 not the mutant.
 
 The engine runs for real: four forked processes in a gloo process group on a FileStore (no torchrun,
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgetrain.distributed.subnet.config import layout_of
+from edgetrain.recipes.subnet_dp.config import layout_of
 from edgetrain.methods.subnet_dp.assign import assign_masks
 from edgetrain.methods.subnet_dp.layout import parameter_role
 from edgetrain.methods.subnet_dp.subnetwork import materialise_subnetwork
@@ -61,7 +61,7 @@ def ring(payload: int, members: int) -> int:
 def _child(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from edgetrain.distributed.subnet.averaging import MaskedAverager, gather_full_state
+    from edgetrain.recipes.subnet_dp.averaging import MaskedAverager, gather_full_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -228,7 +228,7 @@ def _refusals_child(store: str, out: str) -> None:
     """A one-process group: which constructions and calls the averager refuses, and with what."""
     import torch.distributed as dist
 
-    from edgetrain.distributed.subnet.averaging import MaskedAverager
+    from edgetrain.recipes.subnet_dp.averaging import MaskedAverager
 
     torch.set_num_threads(1)
     found = {}

@@ -174,7 +174,7 @@ def _one_process_group() -> Iterator[None]:
 
 
 def _scpl_report(out: Path, seed: int) -> None:
-    from edgetrain.distributed import scpl_pipeline
+    from edgetrain.recipes import scpl_pipeline
 
     with _one_process_group():
         scpl_pipeline.main(["--model", "convnet-digits", "--data", "random", "--batch", "4", "--steps", "1",
@@ -183,7 +183,7 @@ def _scpl_report(out: Path, seed: int) -> None:
 
 
 def _ddp_segprop_report(out: Path, seed: int) -> None:
-    from edgetrain.distributed import ddp_segprop
+    from edgetrain.recipes import ddp_segprop
 
     resnet = {"in_channels": 1, "width": 4, "norm": "group", "blocks_per_stage": [1, 1], "num_classes": 10}
     with _one_process_group():
@@ -195,20 +195,20 @@ def _ddp_segprop_report(out: Path, seed: int) -> None:
 
 
 def _subnet_data(out: Path, seed: int) -> None:
-    from edgetrain.distributed.subnet.run import save_data_file
+    from edgetrain.recipes.subnet_dp.run import save_data_file
 
     save_data_file(out, "random-cifar", train_limit=8, seed=seed)
 
 
 def _load_subnet_data(out: Path) -> None:
-    from edgetrain.distributed.subnet.run import load_data
+    from edgetrain.recipes.subnet_dp.run import load_data
 
     (train_x, _), _ = load_data("random-cifar", data_file=out)
     assert train_x.shape == (8, 3, 32, 32)
 
 
 def _subnet_report(out: Path, seed: int) -> None:
-    from edgetrain.distributed.subnet import run
+    from edgetrain.recipes.subnet_dp import run
 
     data = out.parent / "data.pt"
     if not data.exists():

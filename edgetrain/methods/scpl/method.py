@@ -14,7 +14,7 @@ Both cut the model into components (components.py). A step, in one process and i
 The sum of the backward calls is the gradient of Eq. (3), sum_l L_l^SC + L^OUT, with the detaches in
 place: each parameter's gradient comes from its own component's loss only. Because a component's
 gradient depends only on its input, which the previous component computed with its weights before
-this step's update, the pipelined run (edgetrain.distributed.scpl_pipeline, one process per
+this step's update, the pipelined run (edgetrain.recipes.scpl_pipeline, one process per
 component) computes exactly the same updates. Peak activation memory is one component's graph.
 
 What the protocol methods return: step() and gradients() return the last component's task loss (on

@@ -137,7 +137,7 @@ class StagedTrainer:
                 cache = make_snapcheck(snapcheck_budget, snapcheck_spill, snapcheck_disk_budget)
         self.prefix = FrozenPrefix(self.view, cache, None if snapcheck_period is None else int(snapcheck_period))
 
-        # Hooks for a distributed run (edgetrain.distributed.ddp_segprop): wrap the active path for
+        # Hooks for a distributed run (edgetrain.recipes.ddp_segprop): wrap the active path for
         # gradient sync, and reduce a step's loss across ranks (plateau decisions must agree).
         self.wrap_active: Callable[[nn.Module], nn.Module] | None = None
         self.reduce_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss

@@ -1,7 +1,7 @@
 """Subnetwork data parallelism (Singh et al. 2025), the parts that run in one process: each of N
 workers trains a fixed structured subnetwork of a ResNet (neuron or block masking), every parameter
 owned by exactly P <= N workers. The multi-process run (torchrun, masked all-reduce) is
-edgetrain.distributed.subnet.
+edgetrain.recipes.subnet_dp.
 
   layout.py      what the masks need to know about the ResNet; each parameter's role (trunk, branch, hidden)
   plan.py        SubnetPlan: who owns what; validation of the invariant sum_i m_i = P

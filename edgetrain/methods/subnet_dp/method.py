@@ -8,7 +8,7 @@ Each step cuts the batch into N equal shards; worker i's loss is the full model'
 mask m_i applied (subnetwork.masked_forward), and the update uses sum_i m_i * g_i / (owner count) --
 exactly the distributed run's averaged gradient for the same global batch (tested equal). It saves
 no memory (the full model, and one gradient per worker in turn, live in this process); the real
-method is the torchrun trainer (edgetrain.distributed.subnet.trainer / .run). This is for
+method is the torchrun trainer (edgetrain.recipes.subnet_dp.trainer / .run). This is for
 experiments on one machine, the diagnostics of §5, and checking the distributed engine.
 
 Options and their defaults: num_workers 4, overlap (P) 2, masking "block", mask_seed 0, load_slack None

@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from edgetrain.data.arrays import ArrayStream
-from edgetrain.distributed.subnet.averaging import MaskedAverager, gather_full_state
-from edgetrain.distributed.subnet.config import SubnetDPConfig, make_optimizer, model_config_for, plan_for
+from edgetrain.recipes.subnet_dp.averaging import MaskedAverager, gather_full_state
+from edgetrain.recipes.subnet_dp.config import SubnetDPConfig, make_optimizer, model_config_for, plan_for
 from edgetrain.methods.subnet_dp.method import SubnetDPSimulation
 from edgetrain.methods.subnet_dp.subnetwork import materialise_subnetwork, state_bytes
 from edgetrain.models.resnet_subnet import build_subnet_resnet, digits_subnet_config

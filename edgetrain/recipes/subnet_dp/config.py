@@ -8,7 +8,7 @@ from typing import Iterable
 
 import torch
 
-from edgetrain.distributed.subnet.averaging import ENGINES
+from edgetrain.recipes.subnet_dp.averaging import ENGINES
 from edgetrain.methods.subnet_dp.assign import assign_masks
 from edgetrain.methods.subnet_dp.layout import MASKINGS, ResNetLayout
 from edgetrain.methods.subnet_dp.plan import SubnetPlan

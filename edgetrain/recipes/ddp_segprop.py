@@ -9,7 +9,7 @@ shards' gradients, which is the global batch's mean gradient, so the weights equ
 trained on the global batch (up to float summation order). Step losses are averaged across ranks
 before the method sees them, so plateau decisions agree. Backends: gloo on CPU, nccl on CUDA.
 
-    torchrun --standalone --nproc_per_node 2 -m edgetrain.distributed.ddp_segprop \
+    torchrun --standalone --nproc_per_node 2 -m edgetrain.recipes.ddp_segprop \
         --model resnet18-cifar-gn --data digits ... --out weights.safetensors
 
 BatchNorm: each rank normalises with its own shard's statistics (DDP's usual behaviour) and buffers are
@@ -37,7 +37,7 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes in the environment; (rank, world size, device)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise EdgetrainError("not started by torchrun (RANK / WORLD_SIZE are not set); run "
-                             "`torchrun --nproc_per_node N -m edgetrain.distributed.ddp_segprop ...`")
+                             "`torchrun --nproc_per_node N -m edgetrain.recipes.ddp_segprop ...`")
     cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
@@ -106,7 +106,7 @@ def build_model(name: str | None, resnet: str | None) -> nn.Module:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m edgetrain.distributed.ddp_segprop",
+    parser = argparse.ArgumentParser(prog="python -m edgetrain.recipes.ddp_segprop",
                                      description="SegProp / layer-wise training with DDP under torchrun")
     parser.add_argument("--method", default="segprop", choices=["segprop", "lw"])
     parser.add_argument("--model", help="a model preset (default resnet18-cifar-gn)")

@@ -7,7 +7,7 @@ The masks, the subnetwork and the one-process simulation are edgetrain.methods.s
   trainer.py     one training loop for every run: a rank's subnetwork, the DDP baseline, the one-process
                  simulation, the stochastic-depth baseline
   evaluation.py  unified model, branches x P/N, own subnetwork, ensemble
-  run.py         torchrun entry point: torchrun --nproc_per_node N -m edgetrain.distributed.subnet.run
+  run.py         torchrun entry point: torchrun --nproc_per_node N -m edgetrain.recipes.subnet_dp.run
 
 Modules are imported on their own; nothing is imported here.
 """

@@ -1,6 +1,6 @@
 """torchrun entry point of subnetwork data parallelism.
 
-    torchrun --nproc_per_node 4 -m edgetrain.distributed.subnet.run --dataset digits \\
+    torchrun --nproc_per_node 4 -m edgetrain.recipes.subnet_dp.run --dataset digits \\
         --masking block --overlap 2 --epochs 30 --json result.json
 
 N is the number of processes. gloo on CPU (the default), nccl with --device cuda (one GPU per rank,
@@ -27,9 +27,9 @@ DATASETS = ("digits", "fashion-mnist", "random-cifar")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from edgetrain.distributed.subnet.config import SCHEDULERS
+    from edgetrain.recipes.subnet_dp.config import SCHEDULERS
 
-    parser = argparse.ArgumentParser(prog="python -m edgetrain.distributed.subnet.run",
+    parser = argparse.ArgumentParser(prog="python -m edgetrain.recipes.subnet_dp.run",
                                      description="Subnetwork data parallelism (launch with torchrun)")
     parser.add_argument("--dataset", choices=DATASETS, default="digits")
     parser.add_argument("--data-file", type=Path, default=None,
@@ -101,13 +101,13 @@ def model_config_from(args: argparse.Namespace, in_channels: int):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from edgetrain.distributed.subnet.trainer import SubnetDPConfig, train_ddp_baseline, train_subnet_dp
+    from edgetrain.recipes.subnet_dp.trainer import SubnetDPConfig, train_ddp_baseline, train_subnet_dp
     from edgetrain.logs import configure_cli_logging, get_logger
 
     configure_cli_logging()
     log = get_logger(__name__)
     if "RANK" not in os.environ:
-        log.error("run this under torchrun, e.g. torchrun --nproc_per_node 4 -m edgetrain.distributed.subnet.run ...")
+        log.error("run this under torchrun, e.g. torchrun --nproc_per_node 4 -m edgetrain.recipes.subnet_dp.run ...")
         return 2
     probe = None
     if args.memory and args.device == "cpu":
@@ -162,7 +162,7 @@ def save_data_file(path: Path, name: str = "digits", train_limit: int | None = N
     return atomic_torch_save(load_data(name, train_limit, seed), path)
 
 
-def launch_local(num_workers: int, argv: Sequence[str], *, module: str = "edgetrain.distributed.subnet.run",
+def launch_local(num_workers: int, argv: Sequence[str], *, module: str = "edgetrain.recipes.subnet_dp.run",
                  timeout: float = 600, threads_per_worker: int = 1) -> list[dict[str, Any]]:
     """Run `module` under torchrun with N processes on localhost (edgetrain.distributed.launch) and return
     rank 0's JSON list. Children get OMP_NUM_THREADS=threads_per_worker (N processes share the cores)."""

@@ -1,6 +1,6 @@
 """Pipelined SCPL: one worker process per component on torch.distributed (SCPL §3.4, Fig. 3).
 
-    torchrun --standalone --nproc_per_node 2 -m edgetrain.distributed.scpl_pipeline \\
+    torchrun --standalone --nproc_per_node 2 -m edgetrain.recipes.scpl_pipeline \\
         --model convnet-digits --data digits --batch 32 --steps 200 --optimizer adam --lr 1e-3 \\
         --method-options '{"views": 1}' --save weights.safetensors --report report.json
 
@@ -314,7 +314,7 @@ def launch(config: PipelineConfig, nproc: int, *, timeout: float = 600, threads_
         payload = asdict(config)
         payload["report"] = str(report_path)
         config_path.write_text(json.dumps(payload))
-        done = run_torchrun(nproc, "edgetrain.distributed.scpl_pipeline", ["--config", str(config_path)],
+        done = run_torchrun(nproc, "edgetrain.recipes.scpl_pipeline", ["--config", str(config_path)],
                             timeout=timeout, threads_per_worker=threads_env or config.threads, python=python)
         if done.returncode != 0 or not report_path.is_file():
             raise EdgetrainError(f"scpl_pipeline with {nproc} workers failed (exit {done.returncode}):\n"
@@ -325,7 +325,7 @@ def launch(config: PipelineConfig, nproc: int, *, timeout: float = 600, threads_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m edgetrain.distributed.scpl_pipeline",
+    parser = argparse.ArgumentParser(prog="python -m edgetrain.recipes.scpl_pipeline",
                                      description="Pipelined SCPL: run under torchrun, one worker per component.")
     parser.add_argument("--config", help="a JSON file of PipelineConfig fields (flags given too override it)")
     defaults = PipelineConfig()

@@ -24,10 +24,10 @@ from torch import nn
 
 from edgetrain.data.arrays import ArrayStream
 from edgetrain.data.batch import Batch
-from edgetrain.distributed.subnet.averaging import MaskedAverager, gather_full_state
-from edgetrain.distributed.subnet.config import (SubnetDPConfig, make_optimizer, model_config_for, plan_for,
+from edgetrain.recipes.subnet_dp.averaging import MaskedAverager, gather_full_state
+from edgetrain.recipes.subnet_dp.config import (SubnetDPConfig, make_optimizer, model_config_for, plan_for,
                                                  total_steps)
-from edgetrain.distributed.subnet.evaluation import (accuracy, branch_scaled_logits, build_full_model, evaluate,
+from edgetrain.recipes.subnet_dp.evaluation import (accuracy, branch_scaled_logits, build_full_model, evaluate,
                                                      evaluate_logits, evaluate_simulated, unified_branch_scale)
 from edgetrain.methods.subnet_dp.method import SubnetDPSimulation
 from edgetrain.methods.subnet_dp.subnetwork import dropped_block, masked_block, materialise_subnetwork, state_bytes
@@ -175,7 +175,7 @@ def train_subnet_dp(model_config: SubnetResNetConfig, train: Data, test: Data | 
     is assembled afterwards (one full copy per rank, outside the measured window) to evaluate `test`."""
     if not dist.is_initialized():
         raise EdgetrainError("train_subnet_dp runs inside a process group: launch with torchrun "
-                             "(python -m edgetrain.distributed.subnet.run) or call init_process_group first")
+                             "(python -m edgetrain.recipes.subnet_dp.run) or call init_process_group first")
     rank, world = dist.get_rank(), dist.get_world_size()
     overlap = config.overlap_for(world)
     model_config = model_config_for(model_config, config.masking, world, overlap)
