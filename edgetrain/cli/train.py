@@ -41,8 +41,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--memory-budget", default=None, help="e.g. 512MiB: refuse a first step over it")
     parser.add_argument("--target", default=None, help="device profile from targets/ (its memory budget)")
     parser.add_argument("--save-adapter", default=None,
-                        help="write the LoRA adapter here at the end (torch: a .safetensors file; mlx: an "
-                             "mlx-lm adapter directory)")
+                        help="write the LoRA adapter here at the end: a path ending in .safetensors gets "
+                             "edgetrain's one file on any backend, another path the backend's own format "
+                             "(torch: the same file; mlx: an mlx-lm adapter directory)")
     parser.add_argument("--allow-data-change", action="store_true",
                         help="resume a checkpoint on other data than it was trained on (refused otherwise)")
     parser.add_argument("--log-jsonl", default=None, metavar="FILE",
@@ -80,6 +81,10 @@ def _method_options(pairs: list[str], flag: str = "--method-option") -> dict:
     return options
 
 
+def _one_file(path: str) -> bool:
+    return str(path).endswith(".safetensors")
+
+
 def _check_outputs(args: argparse.Namespace, backend) -> None:
     """Refuse, before any work, a run whose checkpoints or adapter could not be written."""
     from edgetrain.checkpoint import ensure_writable_directory, ensure_writable_target
@@ -91,8 +96,10 @@ def _check_outputs(args: argparse.Namespace, backend) -> None:
                                  "--checkpoint-dir (0 would never write a checkpoint)")
         ensure_writable_directory(args.checkpoint_dir, "--checkpoint-dir")
     if args.save_adapter is not None:
-        # torch writes one .safetensors file; MLX an mlx-lm adapter directory.
-        ensure_writable_target(args.save_adapter, "--save-adapter", directory=backend.adapter_is_directory)
+        # A .safetensors path is edgetrain's one file on any backend; another path the backend's own
+        # format (MLX: an mlx-lm adapter directory).
+        ensure_writable_target(args.save_adapter, "--save-adapter",
+                               directory=backend.adapter_is_directory and not _one_file(args.save_adapter))
     if args.log_jsonl is not None:
         log = ensure_writable_target(args.log_jsonl, "--log-jsonl")
         if log.exists() and not os.access(log, os.W_OK):
@@ -139,6 +146,9 @@ def main(args: argparse.Namespace) -> int:
     if args.checkpoint_dir and learner.steps_done % max(args.checkpoint_every, 1):
         learner.save_rotating(args.checkpoint_dir)
     if args.save_adapter:
-        save_adapter(model, args.save_adapter)
+        if _one_file(args.save_adapter):
+            edgetrain.save_lora(model, args.save_adapter)
+        else:
+            save_adapter(model, args.save_adapter)
     print(json.dumps({"steps_done": learner.steps_done, "stream_position": learner.stream_position}))
     return 0

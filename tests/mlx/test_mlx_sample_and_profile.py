@@ -66,3 +66,19 @@ def test_train_cli_on_mlx_resumes_exactly_and_writes_an_mlx_lm_adapter(tmp_path)
     for key, array in straight.items():
         assert (array == resumed[key]).all(), key
     assert any((array != 0).any() for key, array in straight.items() if "lora_b" in key)  # B starts at 0: it trained
+
+
+def test_train_cli_on_mlx_writes_edgetraings_one_file_to_a_safetensors_path(tmp_path):
+    """The README's `--save-adapter adapter.safetensors` on MLX: edgetrain's one-file adapter (which torch and
+    MLX load), not a directory of that name."""
+    from edgetrain.adapters.convert import detect_format
+
+    _train_cli(tmp_path, 2, tmp_path / "ckpt", tmp_path / "adapter.safetensors")
+    assert (tmp_path / "adapter.safetensors").is_file()
+    assert detect_format(tmp_path / "adapter.safetensors") == "edgetrain"
+    (tmp_path / "held-out.txt").write_text("The with statement wraps a block in a context manager. " * 20)
+    result = subprocess.run([sys.executable, "-m", "edgetrain.cli", "eval", "--backend", "mlx", "--adapter",
+                             str(tmp_path / "adapter.safetensors"), "--data", "held-out.txt", "--seq", "32",
+                             "--batch", "2", "--max-batches", "1"], capture_output=True, text=True, timeout=180,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
