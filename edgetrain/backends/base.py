@@ -32,8 +32,9 @@ class Backend:
     adapter_loader: str = "edgetrain.adapters.convert:load_adapter"  # (model, path): any adapter format
     adapter_is_directory: bool = False                  # save_adapter writes a directory, not one file
     quantized_base: bool = False                        # can hold the frozen base in 4/8 bits (--quantize-bits)
-    # (model, bits): quantise a loaded model's base; None where the loader does it (mlx: its own flag)
+    # (model, bits): quantise a loaded model's base (load_model(quantize_bits=...)); None where it cannot
     quantizer: str | None = "edgetrain.models.quantize:quantize_base"
+    loader_quantizes: bool = False   # its loader takes quantize_bits (block by block: never all weights dense)
     # (path, dtype, device): a GGUF with its 4/8-bit blocks kept as stored; None where that is the only way
     packed_gguf_loader: str | None = "edgetrain.models.gguf:load_packed_gguf"
     loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files
@@ -49,8 +50,8 @@ class Backend:
         """A new engine (edgetrain.engines) for one learner on this backend's device."""
         return _resolve(self.engine)(self.device)
 
-    def load_model(self, name_or_path: Any, dtype: Any, device: Any) -> Any:
-        return _resolve(self.loader)(name_or_path, dtype=dtype, device=device)
+    def load_model(self, name_or_path: Any, dtype: Any, device: Any, **options: Any) -> Any:
+        return _resolve(self.loader)(name_or_path, dtype=dtype, device=device, **options)
 
     def quantize(self, model: Any, bits: int) -> Any:
         if self.quantizer is None:

@@ -45,7 +45,8 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
     Q4_1 and Q8_0 block projections, embedding and untied head packed as they are stored; `quantize_bits=4`
     or `8` quantises the block projections, embedding and head of any model on load (group-wise affine,
     groups of 64 where the width allows, else 32). Either way each matrix is dequantised one tile at a
-    time, only while it computes. (MLX keeps a GGUF's blocks quantised always.)"""
+    time, only while it computes. On MLX, `quantize_bits` (2, 3, 4, 6 or 8) quantises the block projections
+with MLX's own kernels (groups of 64), and a GGUF's blocks stay quantised always."""
     from edgetrain.backends import BACKENDS
     from edgetrain.backends.base import BACKEND_ALIASES
 
@@ -72,9 +73,11 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
         name_or_path = fetch(name_or_path)
     if quantized:
         model = entry.load_packed_gguf(name_or_path, dtype=parse_dtype(dtype), device=device or entry.device)
+    elif quantize_bits is not None and entry.loader_quantizes:
+        model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device, quantize_bits=quantize_bits)
     else:
         model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
-    if quantize_bits is not None:
+    if quantize_bits is not None and not entry.loader_quantizes:
         entry.quantize(model, quantize_bits)
     if adapter is not None:
         entry.load_adapter(model, adapter)

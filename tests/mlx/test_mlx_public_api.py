@@ -89,3 +89,21 @@ def test_profile_cli_refuses_keeping_gguf_blocks_on_mlx():
     from edgetrain.cli import main
 
     assert main(["profile", "--backend", "mlx", "--quantized", "--steps", "1"]) == 2
+
+
+@requires_mlx
+def test_load_model_quantises_an_mlx_decoders_base_on_load():
+    """load_model(..., backend="mlx", quantize_bits=4): the block projections are MLX QuantizedLinears (the
+    MeSP paper's 4-bit base) and mesp trains them; bits MLX cannot pack are refused by name."""
+    import mlx.nn as mnn
+
+    from edgetrain.data import text_stream
+
+    model = edgetrain.load_model("tiny", backend="mlx", quantize_bits=4)
+    assert all(isinstance(block.mlp.down_proj, mnn.QuantizedLinear) for block in model.blocks)
+    edgetrain.add_lora(model, rank=4)
+    learner = edgetrain.Learner(model, backend="mlx", method="mesp", optimizer="adamw", lr=1e-2)
+    losses = [learner.step(batch).loss for _, batch in zip(range(6), text_stream(seq_len=32, batch_size=2))]
+    assert losses[-1] < losses[0]
+    with pytest.raises(edgetrain.EdgetrainError, match="bits must be one of 2, 3, 4, 6, 8"):
+        edgetrain.load_model("tiny", backend="mlx", quantize_bits=5)

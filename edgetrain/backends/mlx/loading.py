@@ -167,9 +167,11 @@ def load_mlx_model(name_or_path: str | Path, *, dtype: str | mx.Dtype = "float32
                         quantize_bits=quantize_bits, group_size=group_size, compute_mode=compute_mode)
 
 
-def load_mlx_for_backend(name_or_path: str | Path, dtype: Any = "float32", device: Any = None) -> MLXDecoder:
-    """The MLX backend's loader for edgetrain.load_model: MLX places arrays itself, so `device` is unused."""
-    return load_mlx_model(name_or_path, dtype=dtype)
+def load_mlx_for_backend(name_or_path: str | Path, dtype: Any = "float32", device: Any = None,
+                         quantize_bits: int | None = None) -> MLXDecoder:
+    """The MLX backend's loader for edgetrain.load_model: MLX places arrays itself, so `device` is unused;
+    `quantize_bits` quantises block by block as the blocks load."""
+    return load_mlx_model(name_or_path, dtype=dtype, quantize_bits=quantize_bits)
 
 
 def to_numpy(array: mx.array) -> np.ndarray:
