@@ -85,3 +85,34 @@ def test_readme_real_model_personalisation_runs_and_lowers_held_out_perplexity(t
 
     config, _ = read_adapter(tmp_path / "adapter.gguf", AdapterBase(config=decoder_config("smollm2-135m")))
     assert config.rank == 8
+
+
+@pytest.mark.slow
+def test_readme_real_model_block_runs_on_mlx_with_the_backend_named(tmp_path):
+    """The same command-line block with `--backend mlx` on eval, generate and train (export-adapter reads
+    files, no backend), 4 training steps instead of 40: every command runs on MLX and the adapter it
+    trains converts to llama.cpp's GGUF."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install edgetrain[mlx])")
+    import os
+    import subprocess
+    import sys
+
+    text = README.read_text()
+    block = re.search(r"<!-- this block is executed by tests/test_readme.py \(slow lane[^>]*-->\n```bash\n(.*?)```",
+                      text, re.S).group(1)
+    for command in ("eval", "generate", "train"):
+        assert block.count(f"edgetrain {command} ") >= 1, command
+        block = block.replace(f"edgetrain {command} ", f"edgetrain {command} --backend mlx ")
+    assert "--steps 40" in block
+    block = block.replace("--steps 40", "--steps 4")
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=1500)
+    if done.returncode != 0 and "could not download" in done.stderr:
+        pytest.skip(f"the model cannot be fetched here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].strip() == "adapter.gguf"
+    assert (tmp_path / "adapter.safetensors").is_file()
+    evals = [line for line in done.stdout.splitlines() if line.startswith('{"loss"')]
+    assert len(evals) == 2
