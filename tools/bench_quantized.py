@@ -10,7 +10,8 @@ edgetrain imported, nothing built; file-backed pages left out) plus the step's p
                        a tile at a time
   mebp, fp32 base      autograd with per-block checkpointing, the MeSP paper's baseline
 
-plus, with --gguf (SmolLM2-135M by default), mesp on that GGUF with its Q4_1 blocks kept as stored.
+plus, with --gguf (SmolLM2-135M by default), mesp on that GGUF with its Q4_1 blocks kept as stored, with
+the default chunk options and with LEAN_CHUNKS.
 The floor is edgetrain's analytic step memory (edgetrain/step_estimates.py: stored block inputs, one
 block's working set or one loss tile, the dequantised matrix, the block's gradients); peak/floor is the
 probe's step peak over it.
@@ -35,6 +36,8 @@ from edgetrain.profiler.runner import run_isolated
 
 MIB = 2**20
 BASELINE = "mesp, fp32 base"
+# MeSP's chunk options for the leanest step a device would choose (smaller working set, slower step).
+LEAN_CHUNKS = {"attention_chunk": 32, "mlp_chunk": 64, "loss_chunk": 64}
 COLUMNS = [Column("weights_bytes", "weights", MIB, "MiB"), Column("footprint_bytes", "footprint", MIB, "MiB"),
            Column("peak_bytes_probe", "step peak", MIB, "MiB"), Column("estimate_bytes", "floor", MIB, "MiB"),
            Column("peak_over_floor", "peak/floor"), Column("step_seconds", "step", 1.0, "s")]
@@ -47,9 +50,11 @@ def arms(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
               ("mesp, 4-bit base", ProfileConfig(method="mesp", quantize_bits=4, **common)),
               ("mebp, fp32 base", ProfileConfig(method="mebp", **common))]
     if args.gguf:
-        chosen.append((f"mesp, {args.gguf} as stored", ProfileConfig(
-            method="mesp", model=args.gguf, backend=args.backend, seq=args.seq, rank=8, steps=args.steps,
-            warmup=args.warmup, fidelity=False, quantized=True)))
+        for label, options in ((f"mesp, {args.gguf} as stored", {}),
+                               (f"mesp, {args.gguf} as stored, lean chunks", LEAN_CHUNKS)):
+            chosen.append((label, ProfileConfig(
+                method="mesp", model=args.gguf, backend=args.backend, seq=args.seq, rank=8, steps=args.steps,
+                warmup=args.warmup, fidelity=False, quantized=True, method_options=options)))
     return chosen
 
 
