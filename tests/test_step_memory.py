@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MIB = 2**20
 
 # The same step in any process: a mesp step of the tiny preset (LoRA r8) on 4 x 512 tokens, which adds about
-# 19 MiB: far above the allocator's noise (0.3 MiB). Steps 1-3, step 1 warming up.
+# 19 MiB: far above the allocator's noise (0.3 MiB). Steps 1-4, step 1 warming up.
 STEPS = """
 import json, sys, torch, edgetrain
 sys.path.insert(0, "tests")
@@ -37,7 +37,7 @@ def mesp_step_peaks(threads):
     edgetrain.add_lora(model, rank=8)
     batch = text_token_batches(1, seq_len=512, batch_size=4)[0]
     learner = edgetrain.Learner(model, method="mesp")
-    return [learner.step(batch).peak_bytes for _ in range(3)]
+    return [learner.step(batch).peak_bytes for _ in range(4)]
 """
 
 
@@ -76,8 +76,12 @@ def test_a_steps_peak_bytes_here_is_what_a_fresh_process_measures(text_batches):
     assert done.returncode == 0, done.stderr[-2000:]
     fresh = json.loads(done.stdout.splitlines()[-1])
     assert all(peak > 12 * MIB for peak in fresh), fresh
-    for step in (1, 2):  # after the warm-up step
-        assert abs(here[step] - fresh[step]) <= MIB + 0.05 * fresh[step], (here, fresh, process_memory_state())
+    # After the warm-up step, the median of three: RSS is the whole process's, and in a long test process
+    # another thread's allocation can land in one step's window (CI once read 23.0 MB for one of them,
+    # 18.4 MB for the others, against a fresh 18.5 MB). A learner whose steps are not corrected reads
+    # wrong in every step, which the median still catches.
+    here_median, fresh_median = sorted(here[1:])[1], sorted(fresh[1:])[1]
+    assert abs(here_median - fresh_median) <= MIB + 0.05 * fresh_median, (here, fresh, process_memory_state())
     # The first step of a fresh process adds its one-time allocations, and little more.
     assert fresh[0] - fresh[1] <= 4 * MIB, fresh
 
