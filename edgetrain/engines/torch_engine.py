@@ -12,7 +12,7 @@ from edgetrain.checkpoint import unflatten_optimizer_state
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.finite_steps import FiniteOptimizerSteps
-from edgetrain.learner_state import CHECKPOINT_FORMAT, apply_restored, checkpoint_tensors
+from edgetrain.learner_state import CHECKPOINT_FORMAT, apply_restored, checkpoint_tensors, state_buffers
 from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, NonFiniteError, trainable_parameters
 from edgetrain.optimizers import make_optimizer
@@ -192,7 +192,7 @@ class TorchEngine:
         return unflatten_optimizer_state(tensors, state["optimizer"])
 
     def restore_point(self, learner: Any) -> Any:
-        return torch.get_rng_state(), {name: b.clone() for name, b in learner.model.named_buffers()}
+        return torch.get_rng_state(), {name: b.clone() for name, b in state_buffers(learner.model).items()}
 
     def apply_restore(self, learner: Any, tensors: dict[str, torch.Tensor], state: dict, checked: Any) -> None:
         apply_restored(learner, tensors, checked)
@@ -201,5 +201,5 @@ class TorchEngine:
         rng, buffers = point
         torch.set_rng_state(rng)
         with torch.no_grad():
-            for name, buffer in learner.model.named_buffers():
+            for name, buffer in state_buffers(learner.model).items():
                 buffer.copy_(buffers[name])

@@ -3,7 +3,8 @@
 On a device the frozen weights are most of the footprint. A `PackedMatrix` holds a [rows, cols] matrix as
 unsigned integers packed along each row (two 4-bit values a byte, or one 8-bit value), with a scale and a
 bias per group of `group_size` columns: w = scale * q + bias, MLX's affine layout
-(edgetrain.models.gguf.packed). GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto it exactly, so a GGUF model loads
+(edgetrain.models.gguf.packed). GGUF's Q4_0, Q4_1 and Q8_0 blocks map onto it exactly (the symmetric Q4_0
+and Q8_0 with a zero point, w = scale * (q - zero_point), and no stored bias), so a GGUF model loads
 without requantising (`load_model(path.gguf, quantized=True)`); dense weights are quantised on load per
 group from their minimum and maximum (`load_model(..., quantize_bits=4)`, edgetrain.models.quantize).
 
@@ -84,7 +85,8 @@ class PackedMatrix(nn.Module):
     nothing here trains."""
 
     def __init__(self, rows: int, cols: int, bits: int, group_size: int = GROUP_SIZE, device: Any = None,
-                 dtype: torch.dtype = torch.float32, storage_dtype: torch.dtype = STORAGE_DTYPE) -> None:
+                 dtype: torch.dtype = torch.float32, storage_dtype: torch.dtype = STORAGE_DTYPE,
+                 zero_point: int | None = None) -> None:
         super().__init__()
         if bits not in SUPPORTED_BITS:
             raise EdgetrainError(f"quantised weights take {' or '.join(map(str, SUPPORTED_BITS))} bits, not {bits!r}")
@@ -94,7 +96,11 @@ class PackedMatrix(nn.Module):
         groups = cols // group_size
         self.register_buffer("codes", torch.zeros(rows, cols * bits // 8, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.zeros(rows, groups, dtype=storage_dtype, device=device))
-        self.register_buffer("biases", torch.zeros(rows, groups, dtype=storage_dtype, device=device))
+        # A symmetric format (GGUF Q4_0, Q8_0) has w = scale * (q - zero_point): its bias is -zero_point *
+        # scale in every group, so it is computed, not stored (an eighth of Q8_0's bytes).
+        self.zero_point = _check_zero_point(zero_point, bits)
+        biases = None if zero_point is not None else torch.zeros(rows, groups, dtype=storage_dtype, device=device)
+        self.register_buffer("biases", biases)
         # Empty: it carries the dtype the layer computes in through .to() / .double() like any float tensor.
         self.register_buffer("_dtype_marker", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
@@ -110,7 +116,7 @@ class PackedMatrix(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "PackedMatrix":
         # A model-wide dtype cast must not round the stored scales (float16 -> bfloat16 loses bits): keep
         # their dtype, follow only the device. The marker takes the new dtype.
-        stored = {name: getattr(self, name) for name in ("scales", "biases")}
+        stored = {name: getattr(self, name) for name in ("scales", "biases") if getattr(self, name) is not None}
         super()._apply(fn, recurse)
         for name, original in stored.items():
             applied = getattr(self, name)
@@ -122,7 +128,7 @@ class PackedMatrix(nn.Module):
         wanted = self.dtype if dtype is None else dtype
         return torch.float64 if torch.float64 in (wanted, self.scales.dtype) else torch.float32
 
-    def _dequantize_packed(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+    def _dequantize_packed(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                            dtype: torch.dtype | None, scratch: bool = False) -> torch.Tensor:
         """Dense rows from packed ones: one buffer (a scratch one when asked), filled with the integers and
         scaled in place."""
@@ -144,7 +150,12 @@ class PackedMatrix(nn.Module):
             dense.copy_(codes)
         grouped = dense.view(rows, -1, self.group_size)
         # Mixed dtypes in place: the scales convert inside the kernel (exactly), no launch of their own.
-        grouped.mul_(scales.unsqueeze(-1)).add_(biases.unsqueeze(-1))
+        if biases is None:
+            # Exactly scale * q + (-zero_point * scale): q - zero_point is a small integer, and a float16
+            # scale times it is exact in float32, as each of the two terms was.
+            grouped.sub_(self.zero_point).mul_(scales.unsqueeze(-1))
+        else:
+            grouped.mul_(scales.unsqueeze(-1)).add_(biases.unsqueeze(-1))
         return dense if wanted == work else dense.to(wanted)
 
     def scratch_tiles(self, dtype: torch.dtype | None = None, device: Any = None,
@@ -165,13 +176,15 @@ class PackedMatrix(nn.Module):
                         device: Any = None, scratch: bool = False) -> torch.Tensor:
         """Dense rows [start, stop); in this thread's scratch buffer with `scratch` (see scratch_tiles)."""
         move = (lambda t: t) if device is None else (lambda t: t.to(device))  # noqa: E731
-        return self._dequantize_packed(move(self.codes[start:stop]), move(self.scales[start:stop]),
-                                       move(self.biases[start:stop]), dtype, scratch)
+        biases = None if self.biases is None else move(self.biases[start:stop])
+        return self._dequantize_packed(move(self.codes[start:stop]), move(self.scales[start:stop]), biases,
+                                       dtype, scratch)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense rows `indices` (any shape of integers): [*indices.shape, cols]."""
         flat = indices.reshape(-1)
-        dense = self._dequantize_packed(self.codes[flat], self.scales[flat], self.biases[flat], dtype)
+        biases = None if self.biases is None else self.biases[flat]
+        dense = self._dequantize_packed(self.codes[flat], self.scales[flat], biases, dtype)
         return dense.view(*indices.shape, self.cols)
 
     @property
@@ -180,7 +193,7 @@ class PackedMatrix(nn.Module):
         return self.dequantize()
 
     def packed_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.biases))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.biases) if t is not None)
 
     def fill_from_dense(self, weight: torch.Tensor) -> None:
         """Quantise a dense [rows, cols] weight into this matrix per group: bias = the group's minimum,
@@ -204,7 +217,7 @@ class PackedMatrix(nn.Module):
         q = torch.round((work - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, levels).to(torch.uint8)
         q = q.reshape(self.rows, self.cols)
         self.codes = (q[:, 0::2] | (q[:, 1::2] << 4) if self.bits == 4 else q).contiguous()
-        self.scales, self.biases = scale.to(storage), low.to(storage)
+        self.scales, self.biases, self.zero_point = scale.to(storage), low.to(storage), None
 
     def fill_from_packed(self, packed: Any) -> None:
         """From an edgetrain.models.gguf.packed.PackedWeight (GGUF blocks, moved, not requantised; its
@@ -215,11 +228,28 @@ class PackedMatrix(nn.Module):
                                  f"{tuple(self.codes.shape)}, {self.bits}-bit matrix")
         scales = np.asarray(packed.scales, dtype=np.float32)
         biases = np.asarray(packed.biases, dtype=np.float32)
-        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (scales, biases))
+        zero_point = symmetric_zero_point(scales, biases, self.bits)
+        kept = (scales,) if zero_point is not None else (scales, biases)
+        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in kept)
         storage = STORAGE_DTYPE if exact else torch.float32
         self.codes = torch.from_numpy(codes.copy())
         self.scales = torch.from_numpy(scales).to(storage)
-        self.biases = torch.from_numpy(biases).to(storage)
+        self.biases = None if zero_point is not None else torch.from_numpy(biases).to(storage)
+        self.zero_point = zero_point
+
+
+def symmetric_zero_point(scales: np.ndarray, biases: np.ndarray, bits: int) -> int | None:
+    """2**(bits - 1) when every group's bias is exactly -2**(bits - 1) * its scale (GGUF's Q4_0 and Q8_0 as
+    edgetrain.models.gguf.packed lays them out), else None."""
+    zero_point = 2 ** (bits - 1)
+    return zero_point if np.array_equal(biases, np.float32(-zero_point) * scales) else None
+
+
+def _check_zero_point(zero_point: int | None, bits: int) -> int | None:
+    if zero_point is not None and (isinstance(zero_point, bool) or not isinstance(zero_point, int)
+                                   or not 0 <= zero_point < 2 ** bits):
+        raise EdgetrainError(f"a {bits}-bit zero point must be an integer in [0, {2 ** bits}), not {zero_point!r}")
+    return zero_point
 
 
 class QuantizedMatmul(torch.autograd.Function):
@@ -261,8 +291,8 @@ class QuantizedLinear(PackedMatrix):
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int = GROUP_SIZE,
                  bias: bool = False, device: Any = None, dtype: torch.dtype = torch.float32,
-                 storage_dtype: torch.dtype = STORAGE_DTYPE) -> None:
-        super().__init__(out_features, in_features, bits, group_size, device, dtype, storage_dtype)
+                 storage_dtype: torch.dtype = STORAGE_DTYPE, zero_point: int | None = None) -> None:
+        super().__init__(out_features, in_features, bits, group_size, device, dtype, storage_dtype, zero_point)
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
@@ -304,8 +334,8 @@ class QuantizedEmbedding(PackedMatrix):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, group_size: int = GROUP_SIZE,
                  device: Any = None, dtype: torch.dtype = torch.float32,
-                 storage_dtype: torch.dtype = STORAGE_DTYPE) -> None:
-        super().__init__(num_embeddings, embedding_dim, bits, group_size, device, dtype, storage_dtype)
+                 storage_dtype: torch.dtype = STORAGE_DTYPE, zero_point: int | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, bits, group_size, device, dtype, storage_dtype, zero_point)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
     def extra_repr(self) -> str:

@@ -111,6 +111,29 @@ def test_a_learner_trains_the_adapters_of_a_quantised_model_and_leaves_its_codes
         edgetrain.merge_lora(model)
 
 
+def test_a_learner_checkpoint_of_a_quantised_model_leaves_the_packed_base_out(tmp_path, text_batches):
+    """The packed codes and scales are frozen base weights: they come from the base, as dense ones do."""
+    from safetensors import safe_open
+
+    def learner() -> edgetrain.Learner:
+        torch.manual_seed(0)
+        model = edgetrain.load_model("tiny", quantize_bits=4)
+        edgetrain.add_lora(model, rank=8)
+        return edgetrain.Learner(model, method="mesp", optimizer="adamw", lr=3e-3)
+
+    batches = text_batches(3, seq_len=32, batch_size=2)
+    trained = learner()
+    trained.step(batches[0])
+    path = trained.save(tmp_path / "ckpt.safetensors")
+    with safe_open(str(path), "pt") as handle:
+        keys = list(handle.keys())
+    assert not [k for k in keys if k.endswith((".codes", ".scales", ".biases"))]
+    assert any(k.startswith("param/") and "lora" in k for k in keys)
+    resumed = learner().load(path)
+    for batch in batches[1:]:
+        assert resumed.step(batch).loss == trained.step(batch).loss
+
+
 def test_quantize_linears_replaces_the_block_projections_only():
     torch.manual_seed(0)
     model = edgetrain.load_model("tiny")
@@ -132,9 +155,15 @@ def test_a_gguf_loads_with_its_blocks_kept_and_the_dequantised_models_logits(tmp
     assert is_quantized(kept) and not is_quantized(dense)
     layers = [m for m in kept.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(layer.bits == (8 if ggml_type == "Q8_0" else 4) for layer in layers)
+    # Q4_0 and Q8_0 are symmetric: their bias is computed from the zero point, not stored.
+    zero_point = {"Q4_0": 8, "Q8_0": 128}.get(ggml_type)
+    assert all(layer.zero_point == zero_point and (layer.biases is None) == (zero_point is not None)
+               for layer in layers)
     ids = torch.randint(0, dense.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(kept(ids), dense(ids), rtol=0, atol=0)
+        # A cast and a copy keep the computed bias (nothing to move or round).
+        torch.testing.assert_close(copy.deepcopy(kept).double()(ids), dense.double()(ids), rtol=1e-10, atol=1e-12)
     held = sum(b.numel() * b.element_size() for b in kept.buffers()) + sum(
         p.numel() * p.element_size() for p in kept.parameters())
     full = sum(p.numel() * p.element_size() for p in dense.parameters())
@@ -233,6 +262,19 @@ def test_a_dtype_cast_sets_the_compute_dtype_and_never_rounds_the_stored_scales(
     assert layer(x).dtype == torch.bfloat16
     layer.double()
     assert layer.dequantize().dtype == torch.float64 and torch.equal(layer.dequantize().float(), reference)
+
+
+def test_a_symmetric_layer_holds_a_zero_point_in_range_and_fewer_bytes():
+    with pytest.raises(EdgetrainError, match="zero point"):
+        QuantizedLinear(32, 4, 4, zero_point=16)
+    with pytest.raises(EdgetrainError, match="zero point"):
+        QuantizedLinear(32, 4, 8, zero_point=1.5)
+    symmetric, affine = QuantizedLinear(64, 4, 8, zero_point=128), QuantizedLinear(64, 4, 8)
+    assert symmetric.biases is None and "biases" not in symmetric.state_dict()
+    assert symmetric.packed_bytes() == affine.packed_bytes() - affine.biases.numel() * affine.biases.element_size()
+    symmetric.codes.fill_(130)
+    symmetric.scales.fill_(0.5)
+    assert torch.equal(symmetric.dequantize(), torch.ones(4, 64))  # 0.5 * (130 - 128)
 
 
 def test_scales_beyond_float16s_range_are_kept_in_float32():

@@ -198,15 +198,17 @@ def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target:
         layer = QuantizedEmbedding.from_packed(packed, dtype=compute)
         with torch.device("meta"):
             shell = QuantizedEmbedding(layer.num_embeddings, layer.embedding_dim, layer.bits, layer.group_size,
-                                       dtype=compute, storage_dtype=layer.scales.dtype)
+                                       dtype=compute, storage_dtype=layer.scales.dtype, zero_point=layer.zero_point)
     else:
         layer = QuantizedLinear.from_packed(packed, dtype=compute)
         with torch.device("meta"):
             shell = QuantizedLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size,
-                                    bias=dense.bias is not None, dtype=compute, storage_dtype=layer.scales.dtype)
+                                    bias=dense.bias is not None, dtype=compute, storage_dtype=layer.scales.dtype,
+                                    zero_point=layer.zero_point)
     setattr(parent, attribute, shell)
     for name in ("codes", "scales", "biases"):
-        tensors[f"{module_path}.{name}"] = getattr(layer, name)
+        if getattr(layer, name) is not None:  # a symmetric format has no biases (quantized.PackedMatrix)
+            tensors[f"{module_path}.{name}"] = getattr(layer, name)
     return True
 
 
