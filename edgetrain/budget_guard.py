@@ -128,7 +128,8 @@ def measure_undone_step(learner: Learner, batch: Batch) -> int | None:
 def budget_message(learner: Learner, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
     """The refusal: the methods tried, ranked against the others' estimates, and what to try instead."""
     candidates = {*FALLBACK_ORDER, "bp", *(figure.method for figure in tried)}
-    estimates = {name: estimate_step_bytes(learner.model, batch, name)
+    estimates = {name: estimate_step_bytes(learner.model, batch, name,
+                                           learner.method_options if name == learner.method_name else None)
                  for name in sorted(candidates) if name in learner.methods}
     ranked = rank_methods(tried, estimates)
     suggestions = []

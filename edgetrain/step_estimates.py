@@ -14,14 +14,16 @@ V the vocabulary, and T = one block's trainable bytes (its gradients, or mezo's 
   mebp  every block's input, L N h e, plus the larger of the head (3 N V c) and one block recomputed
         under autograd with its gradients, N e (6h + 3q + 2kv + 5i + r), plus T
   mesp  every block's input plus the larger of one block's hand-derived working set (the attention half
-        kept, 4 [mlp_chunk, i] MLP temporaries, one attention chunk's scores) and one loss tile
-        (loss_chunk x 4096 logits), plus T
+        kept, and the larger of 4 [mlp_chunk, i] MLP temporaries and the attention's query, key and
+        value rows with their gradients, 2 N (q + 2 kv) e, plus two of one attention chunk's scores) and
+        one loss tile
+        (loss_chunk x vocab_chunk logits), plus T; the chunks are the step's options (MeSPConfig)
   mezo  inference memory: the larger of the logits with their log-softmax (2 N V c) and one block's
         forward, plus T
 
 With a quantised base (edgetrain.models.quantized) each method's block term also holds one dequantised
 tile of a projection (edgetrain.models.quantized.tile_elements entries on the batch's device), and mesp's
-loss term the head's dequantised vocabulary tile (QUANTIZED_HEAD_VOCAB_CHUNK rows on a CPU).
+loss term the head's dequantised vocabulary tile (edgetrain.methods.mesp.loss.default_vocab_chunk rows).
 
 Checked against tensor accounting of the real first steps (tests/test_step_estimates.py and the
 calibration behind it): fp32 and fp64 within 15% on the tiny preset and on SmolLM2-, Qwen2.5-0.5B- and
@@ -30,14 +32,14 @@ models have no estimate (None).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
-from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK, QUANTIZED_HEAD_VOCAB_CHUNK
-from edgetrain.methods.mesp.method import DEFAULT_ATTENTION_CHUNK, DEFAULT_LOSS_CHUNK, DEFAULT_MLP_CHUNK
+from edgetrain.methods.configs import MeSPConfig, method_config
+from edgetrain.methods.mesp.loss import default_vocab_chunk
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import QUANTIZED_HEADS, PackedMatrix, QuantizedEmbedding, tile_elements
@@ -48,7 +50,7 @@ from edgetrain.precision import compute_dtype
 class _Shape:
     """The sizes the estimates are made of, read from the model and the batch."""
 
-    def __init__(self, model: nn.Module, batch: Batch) -> None:
+    def __init__(self, model: nn.Module, batch: Batch, mesp: MeSPConfig) -> None:
         config: LlamaConfig = model.config
         embedding = model.embed.embed_tokens
         weight_dtype = embedding.dtype if isinstance(embedding, PackedMatrix) else embedding.weight.dtype
@@ -65,11 +67,11 @@ class _Shape:
         # narrower model dtype): the largest block projection, and one vocabulary tile of the head.
         dense_element = self.loss_element + (self.element if self.element != self.loss_element else 0)
         quantized_blocks = any(isinstance(m, PackedMatrix) for m in model.blocks[0].modules())
-        on_cpu = batch.inputs.device.type == "cpu"
         self.dense_projection = (min(max(self.inner, self.query, self.kv) * self.hidden,
                                      tile_elements(batch.inputs.device)) * dense_element if quantized_blocks else 0)
         self.quantized_head = isinstance(getattr(model.head, "lm_head", None), QUANTIZED_HEADS)
-        self.vocab_chunk = QUANTIZED_HEAD_VOCAB_CHUNK if self.quantized_head and on_cpu else DEFAULT_VOCAB_CHUNK
+        self.mesp = mesp  # mesp's chunk options
+        self.vocab_chunk = mesp.vocab_chunk or default_vocab_chunk(self.quantized_head, batch.inputs.device)
         self.dense_head_tile = min(self.vocab, self.vocab_chunk) * self.hidden * dense_element
 
         ranks = [module.rank for module in model.blocks[0].modules() if isinstance(module, LoRALinear)]
@@ -108,13 +110,15 @@ def _mebp(shape: _Shape) -> int:
 
 
 def _mesp(shape: _Shape) -> int:
-    mlp_rows = min(shape.tokens, DEFAULT_MLP_CHUNK)
-    attention_rows = min(shape.seq, DEFAULT_ATTENTION_CHUNK)
+    mlp_rows = min(shape.tokens, shape.mesp.mlp_chunk)
+    attention_rows = min(shape.seq, shape.mesp.attention_chunk)
+    # The MLP's backward ends before the attention's begins: one of their working sets is alive at a time.
+    # The attention's: the query/key/value rows and their gradients, and one chunk's scores and softmax.
+    scores = shape.batch * shape.heads * attention_rows * shape.seq * shape.loss_element
+    attention = 2 * shape.tokens_times(shape.query + 2 * shape.kv) + 2 * scores
     block = (shape.tokens_times(3 * shape.hidden + 2 * shape.query + 2 * shape.kv)
-             + 4 * mlp_rows * shape.inner * shape.element
-             + shape.batch * shape.heads * attention_rows * shape.seq * shape.loss_element
-             + shape.dense_projection)
-    loss_rows, vocab_rows = min(shape.tokens, DEFAULT_LOSS_CHUNK), min(shape.vocab, shape.vocab_chunk)
+             + max(4 * mlp_rows * shape.inner * shape.element, attention) + shape.dense_projection)
+    loss_rows, vocab_rows = min(shape.tokens, shape.mesp.loss_chunk), min(shape.vocab, shape.vocab_chunk)
     loss = (loss_rows * (vocab_rows + 2 * shape.hidden) * shape.loss_element + shape.tokens_times(shape.hidden))
     if shape.upcast:  # the tile's logits in the weights' dtype beside their upcast copy, and the weight block's
         loss += loss_rows * vocab_rows * shape.element + vocab_rows * shape.hidden * shape.loss_element
@@ -141,10 +145,13 @@ def is_decoder(model: nn.Module) -> bool:
             and len(blocks) > 0 and isinstance(embedding, (nn.Embedding, QuantizedEmbedding)))
 
 
-def estimate_step_bytes(model: nn.Module, batch: Batch, method: str) -> int | None:
+def estimate_step_bytes(model: nn.Module, batch: Batch, method: str,
+                        options: dict[str, Any] | None = None) -> int | None:
     """Estimated bytes one step of `method` adds on `batch` (see the module docstring); None for a
-    method or model these estimates do not cover."""
+    method or model these estimates do not cover. `options` are the method's (mesp's chunk sizes count;
+    a bad one is the method's EdgetrainError)."""
     estimate = ESTIMATES.get(method)
     if estimate is None or not is_decoder(model) or batch.inputs.dim() != 2:
         return None
-    return estimate(_Shape(model, batch))
+    mesp = method_config("mesp", dict(options or {}) if method == "mesp" else {})
+    return estimate(_Shape(model, batch, mesp))

@@ -43,13 +43,15 @@ from edgetrain.step_estimates import estimate_step_bytes
 torch.set_num_threads(1)
 batch = text_token_batches(1, seq_len=256)[0]
 figures = {}
-for method in ("bp", "mebp", "mesp", "mezo"):
+LEAN = {"attention_chunk": 16, "mlp_chunk": 32, "loss_chunk": 32, "vocab_chunk": 64}
+for label, method, options in (("bp", "bp", {}), ("mebp", "mebp", {}), ("mesp", "mesp", {}), ("mezo", "mezo", {}),
+                               ("mesp, lean chunks", "mesp", LEAN)):
     torch.manual_seed(0)
     model = edgetrain.load_model("tiny")
     edgetrain.add_lora(model, rank=8)
     random_lora_b(model, 1, 0.02)
-    learner = edgetrain.Learner(model, method=method, probe=TensorAccountant(model))
-    figures[method] = (estimate_step_bytes(model, batch, method), learner.step(batch).peak_bytes)
+    learner = edgetrain.Learner(model, method=method, probe=TensorAccountant(model), method_options=options)
+    figures[label] = (estimate_step_bytes(model, batch, method, options), learner.step(batch).peak_bytes)
 print(json.dumps(figures))
 """
 
@@ -66,8 +68,16 @@ def test_estimates_are_within_15_percent_of_tensor_accounting_on_the_tiny_preset
     done = subprocess.run([sys.executable, "-c", MEASURE], cwd=Path(__file__).parent.parent, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    for method, (estimate, measured) in json.loads(done.stdout.splitlines()[-1]).items():
+    figures = json.loads(done.stdout.splitlines()[-1])
+    for method, (estimate, measured) in figures.items():
         assert abs(estimate - measured) <= 0.15 * measured, (method, estimate, measured)
+    # mesp's chunk options are the step's: smaller chunks, a smaller estimate, as measured.
+    assert figures["mesp, lean chunks"][0] < figures["mesp"][0] and figures["mesp, lean chunks"][1] < figures["mesp"][1]
+
+
+def test_a_bad_chunk_option_is_the_methods_error(tiny_lora, text_batches):
+    with pytest.raises(edgetrain.EdgetrainError, match="mlp_chunk"):
+        estimate_step_bytes(tiny_lora(), text_batches(1)[0], "mesp", {"mlp_chunk": 0})
 
 
 def test_no_estimate_for_other_methods_or_models(tiny_lora, text_batches):

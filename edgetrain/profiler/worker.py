@@ -140,7 +140,7 @@ def profile_torch_method(config) -> dict[str, Any]:
     record["runtime_baseline_bytes"] = runtime_baseline
     from edgetrain.step_estimates import estimate_step_bytes
 
-    record["estimate_bytes"] = estimate_step_bytes(model, batch, config.method)
+    record["estimate_bytes"] = estimate_step_bytes(model, batch, config.method, config.method_options)
 
     _progress(f"[{config.method}] tensor accounting step")
     accountant = TensorAccountant(model=model)

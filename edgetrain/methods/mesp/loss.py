@@ -29,6 +29,12 @@ DEFAULT_VOCAB_CHUNK = 4096
 QUANTIZED_HEAD_VOCAB_CHUNK = 512
 
 
+def default_vocab_chunk(quantized_head: bool, device: torch.device) -> int:
+    """Vocabulary rows per loss tile when the option is not set: DEFAULT_VOCAB_CHUNK, or
+    QUANTIZED_HEAD_VOCAB_CHUNK for a quantised head on a CPU (near the dequantised tile's size, for its cache)."""
+    return QUANTIZED_HEAD_VOCAB_CHUNK if quantized_head and device.type == "cpu" else DEFAULT_VOCAB_CHUNK
+
+
 def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_weight: torch.Tensor | Any,
                     targets: torch.Tensor, chunk: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
                     ) -> tuple[torch.Tensor, torch.Tensor]:

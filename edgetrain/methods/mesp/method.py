@@ -26,7 +26,7 @@ from torch import nn
 from edgetrain.data.batch import Batch
 from edgetrain.methods.base import METHODS, apply_gradients, require_finite, trainable_parameters
 from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_forward, rope_tables
-from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK, QUANTIZED_HEAD_VOCAB_CHUNK, chunked_lm_loss
+from edgetrain.methods.mesp.loss import chunked_lm_loss, default_vocab_chunk
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import QUANTIZED_HEADS, QuantizedEmbedding
@@ -129,11 +129,8 @@ class StructuredBackprop:
                         if f"blocks.{i}.{local}" in self.params} for i, block in enumerate(model.blocks)]
 
     def _vocab_chunk(self, dense_head: bool, device: torch.device) -> int:
-        """The option, else 4096 rows (a quantised head on a CPU: QUANTIZED_HEAD_VOCAB_CHUNK, near the
-        dequantised tile's size)."""
-        if self.vocab_chunk is not None:
-            return self.vocab_chunk
-        return DEFAULT_VOCAB_CHUNK if dense_head or device.type != "cpu" else QUANTIZED_HEAD_VOCAB_CHUNK
+        """The option, else loss.default_vocab_chunk."""
+        return self.vocab_chunk if self.vocab_chunk is not None else default_vocab_chunk(not dense_head, device)
 
     @property
     def partial_updates(self) -> bool:
