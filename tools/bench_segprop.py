@@ -7,7 +7,9 @@
             paper's Table 1 layout, and seg=4 with the paper's ResNet-18 split (appendix B.2: the
             `resnet-paper` view, GH = layer4[1]'s last conv + BN + the classifier); a SegProp cell is
             the largest stage. Without and with activation checkpointing (bp with checkpointing is
-            `mebp`). SegProp runs with head_grads_last (--head-grads-last off: without).
+            `mebp`). SegProp runs with head_grads_last (--head-grads-last off: without), and with
+            spill_waiting as --spill-waiting says (default off); one more row gives the paper's split with
+            spill_waiting on (the weights of segments whose stage has not begun mapped from a file).
   snapcheck step time of SegProp's last stage (seg=4, GH=3: the deepest frozen prefix) on a stream in a
             fixed order, with SnapCheck (every batch after the first epoch is a cache hit) and without.
             (memory and snapcheck: arms of edgetrain.profiler.bench -- interleaved rounds, median, ratios)
@@ -107,7 +109,8 @@ def measured_step(learner: edgetrain.Learner, batch: Batch) -> dict[str, int]:
 SPLITS = {"blocks": ("blocks", 3, "blocks"), "memory": ("blocks", 3, "memory"), "paper": ("resnet-paper", 1, "blocks")}
 
 
-def segprop_peaks(segments: int, split_name: str, checkpoint: bool, head_grads_last: bool, batch: Batch) -> dict:
+def segprop_peaks(segments: int, split_name: str, checkpoint: bool, head_grads_last: bool, batch: Batch,
+                  spill_waiting: bool = False) -> dict:
     view, head_blocks, balance = SPLITS[split_name]
     peaks, split = [], ()
     for stage in range(segments):
@@ -115,6 +118,7 @@ def segprop_peaks(segments: int, split_name: str, checkpoint: bool, head_grads_l
                                     method_options={"view": view, "head_blocks": head_blocks, "segments": segments,
                                                     "checkpoint": checkpoint, "balance": balance,
                                                     "head_grads_last": head_grads_last,
+                                                    "spill_waiting": spill_waiting,
                                                     "example_input": batch.inputs[:2].clone()})
         split = learner.method.plan.split
         for _ in range(stage):
@@ -128,12 +132,16 @@ def segprop_peaks(segments: int, split_name: str, checkpoint: bool, head_grads_l
 def memory(args: argparse.Namespace) -> None:
     """One comparison per checkpointing setting, one round (tensor accounting is deterministic)."""
     batch, plain = images(args.batch, args.size), None
+    last, spill = args.head_grads_last == "on", args.spill_waiting == "on"
+    # The paper's split once more with the waiting segments' weights spilled (unless every arm spills).
+    extra = [("paper", True)] if "paper" in args.balance and not spill else []
     for checkpoint in [c == "on" for c in args.checkpointing]:
         arms = [Arm("bp", lambda c=checkpoint: measured_step(edgetrain.Learner(
             resnet18(), method="mebp" if c else "bp", optimizer="adamw", lr=1e-4, probe=False), batch))] + [
-            Arm(f"seg={segments}" + (f", {name}" if name != "blocks" else ""),
-                lambda s=segments, n=name, c=checkpoint: segprop_peaks(s, n, c, args.head_grads_last == "on", batch))
-            for name in args.balance for segments in ((4,) if name == "paper" else (2, 3, 4))]
+            Arm(f"seg={segments}" + (f", {name}" if name != "blocks" else "") + (", spill_waiting" if s else ""),
+                lambda s=s, g=segments, n=name, c=checkpoint: segprop_peaks(g, n, c, last, batch, s))
+            for name, s in [(n, spill) for n in args.balance] + extra
+            for segments in ((4,) if name == "paper" else (2, 3, 4))]
         summaries = compare(f"Peak training memory, ResNet-18 (ImageNet stem) {args.size}x{args.size}, batch "
                             f"{args.batch}, AdamW, checkpointing {'on (bp: mebp)' if checkpoint else 'off'}",
                             arms, "bp", [Column("total", "peak", MIB, "MiB")], 1, 0)
@@ -301,6 +309,8 @@ def main() -> int:
                              "Table 1's layout), the paper's ResNet-18 split (seg=4 only)")
     parser.add_argument("--head-grads-last", choices=["on", "off"], default="on",
                         help="SegProp's head_grads_last option in the memory table")
+    parser.add_argument("--spill-waiting", choices=["on", "off"], default="off",
+                        help="SegProp's spill_waiting option in the memory table (off: one more row has it on)")
     parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"],
                         help="activation checkpointing settings in the memory table")
     parser.add_argument("--snap-batches", type=int, default=4)

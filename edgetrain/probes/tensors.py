@@ -16,6 +16,11 @@ kernel allocates internally below the dispatcher (matmul/conv workspaces, cuBLAS
 allocator slack. On CUDA each storage is charged the caching allocator's 512-byte-rounded size, as
 torch.cuda.memory_allocated counts it.
 
+File-backed storages. A storage that is a private (copy-on-write) mapping of a file, such as weights
+spilled to disk and mapped back (SegProp's spill_waiting), is not charged once `mark_file_backed`
+has named it: the OS charges such a mapping only for the pages that are read or written, and a step
+that never touches those weights holds none of them. The mark lives as long as the storage object.
+
 Labels. Given a model with the block view (embed, blocks, head), forward pre/post hooks label the
 region "blocks.3 forward" etc.; a hook on each block's output gradient switches the label to
 "blocks.3 backward" when autograd reaches that block (until the backward pass ends); forwards
@@ -67,6 +72,23 @@ def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         except (RuntimeError, NotImplementedError):  # sparse / nested layouts have no single storage
             pass
     return found
+
+
+# Storages that are private file mappings, resident only where touched (mark_file_backed); weak, so a
+# storage that is freed, or replaced by an in-memory copy, drops out by itself.
+_FILE_BACKED = WeakIdKeyDictionary()
+
+
+def mark_file_backed(tensor: torch.Tensor) -> None:
+    """Tell every TensorAccountant that `tensor`'s storages map a file and are not resident until read."""
+    for storage in tensor_storages(tensor):
+        _FILE_BACKED[storage] = True
+
+
+def is_file_backed(tensor: torch.Tensor) -> bool:
+    """Whether all of `tensor`'s storages were marked by mark_file_backed (and still live)."""
+    storages = tensor_storages(tensor)
+    return bool(storages) and all(storage in _FILE_BACKED for storage in storages)
 
 
 @dataclass
@@ -194,6 +216,8 @@ class TensorAccountant(TorchDispatchMode):
     def _counts(self, storage: torch.UntypedStorage) -> bool:
         device = storage.device
         if device.type == "meta":  # fake and meta tensors hold no memory
+            return False
+        if storage in _FILE_BACKED:
             return False
         if self.device is None:
             return True

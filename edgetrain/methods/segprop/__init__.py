@@ -12,6 +12,7 @@ The whole schedule over a stream (`run_schedule`) is a recipe: edgetrain.recipes
     eval_pins.py     committed modules stay in eval() through later model.train() calls
     evaluation.py    a stage's training path on evaluation data (the paper's "Test (aux)")
     head_last.py     head_grads_last: a step's backward split so the global head's gradients come last
+    waiting_spill.py spill_waiting: weights of segments whose stage has not begun, mapped from a file
   flops.py      FLOPs per sample of e2e vs each stage (the paper's Table 5 method)
 """
 from edgetrain.methods.segprop import method  # noqa: F401  (registers segprop and lw)

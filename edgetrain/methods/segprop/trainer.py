@@ -39,6 +39,7 @@ from edgetrain.methods.segprop.snapcheck import SnapCheck
 from edgetrain.methods.segprop.stage_parts import ActivePath, StageParts, build_bridges, module_params, unique
 from edgetrain.methods.segprop.views import (UnitView, model_device_dtype, probe_activation_bytes, probe_input,
                                              probe_specs, unit_view)
+from edgetrain.methods.segprop.waiting_spill import WaitingSpill, check_options as check_spill, waiting_tensors
 from edgetrain.registry import EdgetrainError
 
 log = get_logger(__name__)
@@ -76,6 +77,8 @@ class StagedTrainer:
                       no limit), spilled to `snapcheck_spill` ("auto" = a temporary directory, None =
                       drop) up to `snapcheck_disk_budget`; batch id = batch.index, or batch.index % snapcheck_period
                       for a stream whose order repeats every snapcheck_period batches
+      spill_waiting   keep the weights of units whose stage has not begun in a file, mapped copy-on-write, not
+                      in memory, under `spill_waiting_dir` ("auto" = a temp directory); exact; CPU (waiting_spill.py)
       adapter         "auto", "conv", "linear" or "identity" (adapters.py)
       aux_head        lw's local classifiers: "auto", "linear" (GAP + Linear, the paper's) or "copy"
     Python-only: `adapters={stage index: module}` overrides built adapters, `example_input` is the
@@ -93,7 +96,8 @@ class StagedTrainer:
                  checkpoint: bool = False, head_grads_last: bool = False, snapcheck: bool = False,
                  snapcheck_budget: Any = "256MiB",
                  snapcheck_spill: str | None = "auto", snapcheck_disk_budget: Any = "2GiB",
-                 snapcheck_period: int | None = None, adapter: str = "auto", aux_head: str = "auto",
+                 snapcheck_period: int | None = None, spill_waiting: bool = False,
+                 spill_waiting_dir: str = "auto", adapter: str = "auto", aux_head: str = "auto",
                  adapters: dict[int, nn.Module] | None = None, example_input: Any = None) -> None:
         self.name = name
         self.model = model
@@ -122,6 +126,7 @@ class StagedTrainer:
                                       adapters or {}, device, dtype, aux_head)
         self.parts = StageParts(self.view, self.adapters, bool(checkpoint))
         self.head_grads_last = head_last.check_option(name, head_grads_last)
+        self.waiting: WaitingSpill | None = check_spill(name, spill_waiting, spill_waiting_dir, device)
         # Attached so that the learner's parameter list, optimizer and checkpoints include them.
         setattr(model, ADAPTERS_ATTRIBUTE, self.adapters)
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -250,6 +255,8 @@ class StagedTrainer:
         depth = stage.frozen_depth
         previous = self.stages[stage.index - 1].frozen_depth if stage.index > 0 else None
         self.prefix.retain({d for d in (depth, previous) if d is not None})
+        if self.waiting is not None:  # the current values, so a re-applied stage (after a load) maps no stale ones
+            self.waiting.apply(waiting_tensors(self.parts, stage))
         self._applied = True
 
     # -- one step -----------------------------------------------------------------------------------
@@ -364,13 +371,15 @@ class StagedTrainer:
         for param in self.model.parameters():
             param.requires_grad_(id(param) in self.trainable_at_start)
         self._active = None
-        self.prefix.close()
+        self.close()
         self.model.train()
         self.closed = True
         return self.model
 
     def close(self) -> None:
         self.prefix.close()
+        if self.waiting is not None:
+            self.waiting.restore_all()
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.name, "split": list(self.plan.split), **self.clock.state_dict()}
