@@ -404,3 +404,51 @@ def test_fuzzed_files_load_or_raise_gguf_error(tmp_path, pristine, data):
             assert str(path) in str(exc)
         else:
             assert result is not None
+
+
+def _write_words(path: Path, words: list[str]) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.words", words)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_array_of_strings_is_kept_as_the_files_bytes(tmp_path):
+    """A vocabulary-sized array costs a few objects, not one per string (reader.StringArray says why)."""
+    import sys
+
+    from edgetrain.models.gguf.reader import StringArray, read_gguf
+
+    words = [f"tok{i}\u00e9" for i in range(50_000)]
+    path = _write_words(tmp_path / "words.gguf", words)
+    before = sys.getallocatedblocks()
+    read = read_gguf(path).metadata["test.words"]
+    assert sys.getallocatedblocks() - before < 1_000
+    assert isinstance(read, StringArray) and len(read) == len(words)
+    assert read == words and list(read) == words and read[-1] == words[-1] and read[2:5] == words[2:5]
+    assert read != words[:-1] and read != "tok0"
+
+
+def test_an_array_string_that_is_not_utf8_is_refused_with_its_element(tmp_path):
+    from edgetrain.models.gguf.reader import read_gguf
+
+    path = _write_words(tmp_path / "words.gguf", ["alpha", "omega"])
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"omega", b"\xffmega"))
+    with pytest.raises(GGUFError, match=r"element 1 of array 'test.words' is not valid UTF-8"):
+        read_gguf(path)
+
+
+def test_the_bpe_is_built_from_json_with_tokens_respelled_and_a_repeated_tokens_last_id():
+    from tokenizers import Tokenizer
+
+    from edgetrain.models.gguf.tokenizer import _bpe_json
+
+    backend = Tokenizer.from_str(_bpe_json(iter(["a", "b", "ab", " ", "\"q\\", "a"]), iter([("a", "b")])))
+    vocab = backend.get_vocab()
+    # " " is outside GPT-2's byte alphabet: spelled byte by byte ("Ġ"); a dict would keep "a"'s last id.
+    assert vocab == {"b": 1, "ab": 2, "\u0120": 3, "\"q\\": 4, "a": 5}
+    assert backend.encode("ab").ids == [2]

@@ -312,7 +312,7 @@ def test_a_gguf_keeps_its_embedding_and_head_packed_with_the_dense_logits(tmp_pa
 def test_mesp_dequantises_projections_and_the_head_in_tiles_with_autograds_gradients(monkeypatch, text_batches):
     """Tiles small enough that every projection and the head are cut (the last tile short): the same
     loss and gradients as bp through the dequantised weights, and no tile above the bound."""
-    import edgetrain.methods.mesp.method as mesp_method
+    import edgetrain.methods.mesp.loss as mesp_loss
     import edgetrain.models.quantized as quantized
     from edgetrain.models.quantized import PackedMatrix
 
@@ -331,7 +331,7 @@ def test_mesp_dequantises_projections_and_the_head_in_tiles_with_autograds_gradi
                         lambda self, start, stop, *a, **k: tiles.append((self.rows, (stop - start) * self.cols))
                         or original(self, start, stop, *a, **k))
     monkeypatch.setattr(quantized, "TILE_ELEMENTS", 128 * 47)
-    monkeypatch.setattr(mesp_method, "QUANTIZED_HEAD_VOCAB_CHUNK", 100)
+    monkeypatch.setattr(mesp_loss, "QUANTIZED_HEAD_VOCAB_CHUNK", 100)
     loss, grads = METHODS.get("mesp")(model).gradients(batch)
     reference_loss, reference = METHODS.get("bp")(dense).gradients(batch)
     config = model.config

@@ -33,7 +33,8 @@ from edgetrain.backends.mlx.quantize import BLOCK_LINEARS, ComputeMode, Quantize
 from edgetrain.backends.mlx.weights import assign_weights, parse_mlx_dtype
 from edgetrain.logs import get_logger
 from edgetrain.models.gguf.config import config_from_metadata
-from edgetrain.models.gguf.loader import attach_gguf_tokenizer, plan_tensors, read_values, rope_row_order
+from edgetrain.models.gguf.loader import (attach_gguf_tokenizer, plan_tensors, read_values, rope_row_order,
+                                          take_gguf_tokenizer)
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
 
 log = get_logger(__name__)
@@ -68,6 +69,7 @@ def load_gguf_mlx(path: str | Path, dtype: str | mx.Dtype = "float32",
     vocabulary, when it has one, becomes `model.tokenizer`, as with the torch loader."""
     gguf = read_gguf(path)
     config = config_from_metadata(gguf)
+    tokenizer = take_gguf_tokenizer(gguf)  # before the model: see its docstring
     target = parse_mlx_dtype(dtype)
     mode = compute_mode or default_compute_mode()
     model = MLXDecoder(config)  # its random arrays are lazy: all are replaced before any is evaluated
@@ -94,5 +96,5 @@ def load_gguf_mlx(path: str | Path, dtype: str | mx.Dtype = "float32",
         log.info("%s: dequantised to %s on MLX (the embedding and LM head are dense): %s", gguf.path,
                  target, ", ".join(dequantised))
     assign_weights(model, tensors, str(gguf.path))
-    attach_gguf_tokenizer(gguf, model)
+    attach_gguf_tokenizer(model, tokenizer)
     return model

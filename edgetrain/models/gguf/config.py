@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from edgetrain.models.gguf.reader import GGUFError, GGUFFile
+from edgetrain.models.gguf.reader import GGUFError, GGUFFile, StringArray
 from edgetrain.models.llama import ConfigError, LlamaConfig
 
 # LlamaConfig field -> the GGUF key (after "{arch}.") it came from, to name the key in a config error.
@@ -80,7 +80,7 @@ def _vocab_size(gguf: GGUFFile, arch: str) -> int:
                         "a token embedding is 2-D")
     rows = embedding.shape[0]
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
-    if tokens is not None and not isinstance(tokens, list):
+    if tokens is not None and not isinstance(tokens, (list, StringArray)):
         raise GGUFError(f"{gguf.path}: metadata 'tokenizer.ggml.tokens' must be an array of strings, "
                         f"found {_describe(tokens)}")
     if tokens is not None and len(tokens) != rows:

@@ -22,7 +22,7 @@ from edgetrain.logs import get_logger
 from edgetrain.models.gguf.config import config_from_metadata, metadata_str
 from edgetrain.models.gguf.dequant import DEQUANTIZERS, SUPPORTED_TYPE_NAMES, dequantize
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
-from edgetrain.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, gguf_tokenizer
+from edgetrain.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, GGUFTokenizer, gguf_tokenizer
 from edgetrain.models.hf_checkpoint import load_weights
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 
@@ -137,6 +137,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     over the embedding. Norms and matrices stored in other types are dense."""
     gguf = read_gguf(path)
     config = config_from_metadata(gguf)
+    tokenizer = take_gguf_tokenizer(gguf)
     with torch.device("meta"):  # no random init: every weight is assigned from the file
         model = LlamaModel(config)
     tensors: dict[str, torch.Tensor] = {}
@@ -158,7 +159,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     packed_tensors = [name for name in tensors if name.endswith((".scales", ".biases"))]
     load_weights(model, tensors, str(gguf.path), dtype, as_stored=packed_tensors)
     _realise_dtype_markers(model, dtype)
-    attach_gguf_tokenizer(gguf, model)
+    attach_gguf_tokenizer(model, tokenizer)
     return model.to(device)
 
 
@@ -222,17 +223,33 @@ def _realise_dtype_markers(model: Any, dtype: torch.dtype) -> None:
             module._dtype_marker = torch.empty(0, dtype=compute)
 
 
-def attach_gguf_tokenizer(gguf: GGUFFile, model: Any) -> None:
-    """The file's own vocabulary becomes `model.tokenizer`, as a checkpoint's tokenizer.json does. One that
-    cannot be built yet (SentencePiece) leaves the model without one, said in a warning; a damaged one is
-    an error, as a damaged tokenizer.json is."""
+# The metadata arrays that hold the vocabulary: tens of thousands of strings each.
+VOCABULARY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+
+
+def take_gguf_tokenizer(gguf: GGUFFile) -> GGUFTokenizer | None:
+    """The file's own vocabulary as a tokenizer; None when it has none, or one that cannot be built yet
+    (SentencePiece, said in a warning); a damaged one is an error, as a damaged tokenizer.json is.
+
+    The vocabulary arrays then leave `gguf.metadata` (read the config first). A loader calls this before it
+    reads any tensor: a damaged vocabulary is refused before the weights are read, and the arrays (3 MiB
+    for SmolLM2's 49k tokens and merges) are gone before the weights arrive."""
+    tokenizer = None
+    if "tokenizer.ggml.model" in gguf.metadata:
+        kind = metadata_str(gguf, "tokenizer.ggml.model")
+        if kind in SUPPORTED_TOKENIZER_MODELS:
+            tokenizer = gguf_tokenizer(gguf)
+        else:
+            log.warning("%s: tokenizer.ggml.model %r is not supported yet; the model is loaded without a "
+                        "tokenizer (training text would be byte ids)", gguf.path, kind)
+    for key in VOCABULARY_KEYS:
+        gguf.metadata.pop(key, None)
+    return tokenizer
+
+
+def attach_gguf_tokenizer(model: Any, tokenizer: GGUFTokenizer | None) -> None:
+    """take_gguf_tokenizer's tokenizer becomes `model.tokenizer`, as a checkpoint's tokenizer.json does."""
     from edgetrain.data.tokenizer import attach_tokenizer
 
-    if "tokenizer.ggml.model" not in gguf.metadata:
-        return
-    kind = metadata_str(gguf, "tokenizer.ggml.model")
-    if kind not in SUPPORTED_TOKENIZER_MODELS:
-        log.warning("%s: tokenizer.ggml.model %r is not supported yet; the model is loaded without a "
-                    "tokenizer (training text would be byte ids)", gguf.path, kind)
-        return
-    attach_tokenizer(model, gguf_tokenizer(gguf), model.config.vocab_size)
+    if tokenizer is not None:
+        attach_tokenizer(model, tokenizer, model.config.vocab_size)

@@ -8,9 +8,10 @@ Tensor bytes stay in the map until a loader asks for them (`tensor_bytes`).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -38,6 +39,50 @@ _MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8
 
 class GGUFError(CheckpointError):
     """A GGUF file that is damaged, hostile, or describes a model edgetrain cannot load."""
+
+
+class StringArray(Sequence[str]):
+    """A metadata array of strings kept as the file's bytes, each item decoded when read (every one was
+    checked to be UTF-8 when the file was read).
+
+    A vocabulary is ~50k strings, its merges as many: as Python objects they take ~10 MiB while the file is
+    read, and after they are freed, the few objects made beside them keep some of the interpreter's 1 MiB
+    arenas (3 MiB for SmolLM2's), for the life of the process. Read one at a time, each string is freed
+    before the next is made."""
+
+    def __init__(self, blob: bytes, bounds: np.ndarray) -> None:
+        self._blob = blob
+        self._bounds = bounds  # [count, 2] int64: each item's start and stop in blob
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        start, stop = self._bounds[index]
+        return self._blob[start:stop].decode("utf-8")
+
+    def __iter__(self) -> Iterator[str]:
+        blob = self._blob
+        for start, stop in self._bounds:
+            yield blob[start:stop].decode("utf-8")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)) or len(other) != len(self):
+            return False
+        return all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # a list-like compares by value
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(item) for item in self[:3])
+        return f"StringArray([{shown}{', ...' if len(self) > 3 else ''}], {len(self)} strings)"
 
 
 @dataclass(frozen=True)
@@ -101,15 +146,29 @@ class _Cursor:
         return self.scalar("<Q", what)
 
     def string(self, what: str) -> str:
+        return bytes(self._utf8(what)).decode("utf-8")
+
+    def _utf8(self, what: str) -> memoryview:
+        """The bytes of one length-prefixed string, checked to be UTF-8."""
         start = self.pos
         length = self.u64(f"the length of {what}")
         if length > self.remaining:
             raise self.fail(f"{what} claims {length} bytes but only {self.remaining} remain in the file", start)
         raw = self.take(length, what)
         try:
-            return bytes(raw).decode("utf-8")
+            bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise self.fail(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})", start) from None
+        return raw
+
+    def string_array(self, count: int, key: str) -> StringArray:
+        """`count` strings, each checked as string() checks it, kept as the file's bytes (StringArray)."""
+        first = self.pos
+        bounds = np.empty((count, 2), dtype=np.int64)
+        for index in range(count):
+            length = len(self._utf8(f"element {index} of array {key!r}"))
+            bounds[index] = (self.pos - length - first, self.pos - first)
+        return StringArray(bytes(self.data[first:self.pos]), bounds)
 
     def count(self, what: str, least_bytes_each: int, read: Any = None) -> int:
         """A u64 count of entries that each take at least `least_bytes_each`: refused before any loop
@@ -142,7 +201,7 @@ def _read_value(cursor: _Cursor, value_type: int, key: str, depth: int = 0) -> A
         return np.frombuffer(raw, dtype=dtype).astype(np.dtype(numpy_name))  # a native-order copy
     if element_type == _STRING:
         count = cursor.count(f"the element count of array {key!r}", _MIN_STRING)
-        return [cursor.string(f"element {i} of array {key!r}") for i in range(count)]
+        return cursor.string_array(count, key)
     if element_type == _ARRAY:
         count = cursor.count(f"the element count of array {key!r}", _MIN_ARRAY)
         return [_read_value(cursor, _ARRAY, f"{key}[{i}]", depth + 1) for i in range(count)]

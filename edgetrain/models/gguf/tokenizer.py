@@ -8,14 +8,16 @@ are refused by name for now.
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from edgetrain.models.gguf.config import metadata_int, metadata_str
-from edgetrain.models.gguf.reader import GGUFError, GGUFFile, read_gguf
+from edgetrain.models.gguf.reader import GGUFError, GGUFFile, StringArray, read_gguf
 from edgetrain.registry import EdgetrainError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
@@ -70,11 +72,13 @@ class GGUFTokenizer:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def _string_list(gguf: GGUFFile, key: str) -> list[str]:
+def _string_list(gguf: GGUFFile, key: str) -> Sequence[str]:
     value = gguf.metadata.get(key)
     if value is None:
         raise GGUFError(f"{gguf.path}: required metadata key {key!r} is missing")
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+    # A file's array of strings is a StringArray (reader.py); a list is one built in Python.
+    if not isinstance(value, StringArray) and not (isinstance(value, list)
+                                                   and all(isinstance(item, str) for item in value)):
         raise GGUFError(f"{gguf.path}: metadata {key!r} must be an array of strings")
     return value
 
@@ -89,16 +93,14 @@ def _token_types(gguf: GGUFFile, count: int) -> np.ndarray:
     return value
 
 
-def _merges(gguf: GGUFFile) -> list[tuple[str, str]]:
-    pairs = []
+def _merges(gguf: GGUFFile) -> Iterator[tuple[str, str]]:
     for index, merge in enumerate(_string_list(gguf, "tokenizer.ggml.merges")):
         # llama.cpp splits at the first space after the first character (a token may itself be " ").
         cut = merge.find(" ", 1)
         if cut < 0 or cut == len(merge) - 1:
             raise GGUFError(f"{gguf.path}: tokenizer.ggml.merges[{index}] = {merge!r} is not two tokens "
                             "separated by a space")
-        pairs.append((merge[:cut], merge[cut + 1:]))
-    return pairs
+        yield merge[:cut], merge[cut + 1:]
 
 
 def _special_ids(gguf: GGUFFile, count: int) -> dict[str, int | None]:
@@ -115,21 +117,41 @@ def _special_ids(gguf: GGUFFile, count: int) -> dict[str, int | None]:
     return ids
 
 
+# tokenizers' serialised Tokenizer with a BPE model and nothing else; _bpe_json fills in vocab and merges.
+_BPE_JSON_HEAD = ('{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,'
+                  '"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{"type":"BPE","dropout":null,'
+                  '"unk_token":null,"continuing_subword_prefix":"","end_of_word_suffix":"","fuse_unk":false,'
+                  '"byte_fallback":false,"ignore_merges":false,"vocab":{')
+
+
+def _bpe_json(tokens: Iterable[str], merges: Iterable[tuple[str, str]]) -> str:
+    """The byte-level BPE model as tokenizers' JSON, written a token at a time: as a Python dict and list
+    the ~100k strings of a vocabulary and its merges would be alive together, and the objects made beside
+    them would keep part of the interpreter's heap for good (reader.StringArray says more). A token listed
+    twice keeps its last id, as a dict would."""
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    text = bytearray(_BPE_JSON_HEAD.encode("ascii"))
+    for index, token in enumerate(tokens):
+        # A token outside GPT-2's byte alphabet (a raw space, a control token with odd characters) is
+        # spelled byte by byte, as transformers does, so that the vocabulary and the merges agree.
+        if not set(token) <= alphabet:
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        text += f'{"," if index else ""}{json.dumps(token)}:{index}'.encode("ascii")
+    text += b'},"merges":['
+    for index, (left, right) in enumerate(merges):
+        text += f'{"," if index else ""}[{json.dumps(left)},{json.dumps(right)}]'.encode("ascii")
+    text += b"]}}"
+    return text.decode("ascii")
+
+
 def _byte_level_bpe(gguf: GGUFFile) -> Any:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
 
     tokens = _string_list(gguf, "tokenizer.ggml.tokens")
     types = _token_types(gguf, len(tokens))
-    spelling = _byte_alphabet()
-    alphabet = set(spelling.values())
-    # A token outside GPT-2's byte alphabet (a raw space, a control token with odd characters) is spelled
-    # byte by byte, as transformers does, so that the vocabulary and the merges agree.
-    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-             for index, token in enumerate(tokens)}
     try:
-        backend = Tokenizer(BPE(vocab=vocab, merges=_merges(gguf), dropout=None, continuing_subword_prefix="",
-                                end_of_word_suffix="", fuse_unk=False))
+        backend = Tokenizer.from_str(_bpe_json(tokens, _merges(gguf)))
     except Exception as exc:  # the Rust side raises a plain Exception (e.g. a merge of unknown tokens)
         raise GGUFError(f"{gguf.path}: the byte-level BPE vocabulary is inconsistent ({exc})") from None
     split = PRE_TOKENIZER_SPLITS.get(metadata_str(gguf, "tokenizer.ggml.pre", "default"))
@@ -142,6 +164,7 @@ def _byte_level_bpe(gguf: GGUFFile) -> Any:
     backend.decoder = decoders.ByteLevel()
     # Control tokens spelled outside the byte alphabet are llama.cpp mislabels; adding them would grow
     # the vocabulary past the model's embedding, so they are left out (transformers does the same).
+    alphabet = set(_byte_alphabet().values())
     control = [AddedToken(token, normalized=False, special=True)
                for token, kind in zip(tokens, types) if kind == _CONTROL and set(token) <= alphabet]
     if control:
