@@ -452,3 +452,14 @@ def test_the_bpe_is_built_from_json_with_tokens_respelled_and_a_repeated_tokens_
     # " " is outside GPT-2's byte alphabet: spelled byte by byte ("Ġ"); a dict would keep "a"'s last id.
     assert vocab == {"b": 1, "ab": 2, "\u0120": 3, "\"q\\": 4, "a": 5}
     assert backend.encode("ab").ids == [2]
+
+
+def test_a_string_array_indexes_like_a_list(tmp_path):
+    from edgetrain.models.gguf.reader import read_gguf
+
+    words = ["", "a", "\u00e9t\u00e9", "z" * 300]
+    read = read_gguf(_write_words(tmp_path / "words.gguf", words)).metadata["test.words"]
+    assert [read[i] for i in range(-4, 4)] == words + words and read[::-1] == words[::-1]
+    for index in (4, -5):
+        with pytest.raises(IndexError):
+            read[index]

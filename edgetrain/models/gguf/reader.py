@@ -50,12 +50,16 @@ class StringArray(Sequence[str]):
     arenas (3 MiB for SmolLM2's), for the life of the process. Read one at a time, each string is freed
     before the next is made."""
 
-    def __init__(self, blob: bytes, bounds: np.ndarray) -> None:
-        self._blob = blob
-        self._bounds = bounds  # [count, 2] int64: each item's start and stop in blob
+    def __init__(self, blob: bytes, ends: np.ndarray) -> None:
+        self._blob = blob  # the array as stored: each item's u64 length, then its bytes
+        self._ends = ends  # int64: where each item's bytes end in blob; they begin 8 bytes after the last's
 
     def __len__(self) -> int:
-        return len(self._bounds)
+        return len(self._ends)
+
+    def _item(self, index: int) -> str:
+        start = (int(self._ends[index - 1]) if index else 0) + 8
+        return self._blob[start:int(self._ends[index])].decode("utf-8")
 
     @overload
     def __getitem__(self, index: int) -> str: ...
@@ -64,14 +68,14 @@ class StringArray(Sequence[str]):
 
     def __getitem__(self, index: int | slice) -> str | list[str]:
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        start, stop = self._bounds[index]
-        return self._blob[start:stop].decode("utf-8")
+            return [self._item(i) for i in range(*index.indices(len(self)))]
+        count = len(self)
+        if not -count <= index < count:
+            raise IndexError(f"index {index} is out of range for {count} strings")
+        return self._item(index % count)
 
     def __iter__(self) -> Iterator[str]:
-        blob = self._blob
-        for start, stop in self._bounds:
-            yield blob[start:stop].decode("utf-8")
+        return (self._item(i) for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)) or len(other) != len(self):
@@ -164,11 +168,11 @@ class _Cursor:
     def string_array(self, count: int, key: str) -> StringArray:
         """`count` strings, each checked as string() checks it, kept as the file's bytes (StringArray)."""
         first = self.pos
-        bounds = np.empty((count, 2), dtype=np.int64)
+        ends = np.empty(count, dtype=np.int64)  # 8 bytes per item, each of which takes 8 or more in the file
         for index in range(count):
-            length = len(self._utf8(f"element {index} of array {key!r}"))
-            bounds[index] = (self.pos - length - first, self.pos - first)
-        return StringArray(bytes(self.data[first:self.pos]), bounds)
+            self._utf8(f"element {index} of array {key!r}")
+            ends[index] = self.pos - first
+        return StringArray(bytes(self.data[first:self.pos]), ends)
 
     def count(self, what: str, least_bytes_each: int, read: Any = None) -> int:
         """A u64 count of entries that each take at least `least_bytes_each`: refused before any loop
