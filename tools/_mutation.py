@@ -123,6 +123,10 @@ TARGETS: dict[str, Target] = {
               "StagedTrainer.frozen_state", "StagedTrainer.forward_loss", "StagedTrainer.gradients",
               "StagedTrainer.step", "StagedTrainer._update", "_scaled_step", "StagedTrainer.advance_stage",
               "StagedTrainer.state_dict", "StagedTrainer.load_state_dict"]),
+    # SegProp's memory options: the global head's gradients after the segment's backward, and the waiting
+    # segments' weights mapped from a file. (Option checks are guarded by the same tests.)
+    "segprop_memory": Target(["edgetrain/methods/segprop/head_last.py", "edgetrain/methods/segprop/waiting_spill.py"], [
+        "tests/methods/test_segprop_spill.py", "tests/methods/test_segprop_memory.py"]),
     "resume": Target(["edgetrain/learner.py"], [
         KILLS, "tests/reliability/test_crash_safe_saves.py",
         "tests/test_learner.py::test_save_load_resumes_exactly",
