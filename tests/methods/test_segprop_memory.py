@@ -107,3 +107,29 @@ def test_head_grads_last_is_off_where_it_does_not_apply():
     assert on.method._splits_backward()
     with pytest.raises(EdgetrainError, match="head_grads_last"):
         learner(digits_resnet(), head_grads_last="yes")
+
+
+def test_the_split_backward_skips_a_head_input_the_loss_never_reaches():
+    """A head that ignores part of what enters it: that part has no gradient, and the split backward
+    gives one backward's gradients."""
+    from edgetrain.methods.segprop import head_last
+
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 4), nn.Linear(4, 1)
+    inputs = torch.randn(3, 4)
+
+    def gradients(split: bool) -> list[torch.Tensor]:
+        used, ignored = body(inputs), body(inputs) * 2
+        loss = head(used).square().sum()
+        if split:
+            head_last.backward(loss, [used, ignored], list(head.parameters()))
+        else:
+            loss.backward()
+        params = [*body.parameters(), *head.parameters()]
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    for split, whole in zip(gradients(True), gradients(False)):
+        torch.testing.assert_close(split, whole, rtol=1e-6, atol=0)

@@ -282,3 +282,70 @@ def test_a_failed_write_leaves_the_weights_in_memory_and_names_the_file(tmp_path
         plain.step(batch)
     assert_equal(tensors_of(plain.model), tensors_of(model))
     run.finish()
+
+
+def test_a_directory_it_cannot_write_is_named(tmp_path, monkeypatch):
+    """os.access decides (a root user passes any mode bits, so the refusal is simulated)."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if mode & os.W_OK else real_access(path, mode))
+    with pytest.raises(EdgetrainError, match=f"spill_waiting_dir '{tmp_path}' is not writable"):
+        learner(digits_resnet(), spill_waiting=True, spill_waiting_dir=str(tmp_path))
+
+
+def test_a_failed_mapping_leaves_the_weights_in_memory_and_names_the_file(tmp_path, monkeypatch):
+    model = digits_resnet()
+    run = learner(model, spill_waiting=True, spill_waiting_dir=str(tmp_path))
+    before = tensors_of(model)
+
+    def unreadable(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(torch, "load", unreadable)
+    with pytest.raises(EdgetrainError, match=f"could not map {tmp_path}/edgetrain-waiting-.*\\.pt: .*Input/output"):
+        run.step(digits_batches(1)[0])
+    assert list(tmp_path.iterdir()) == [] and not file_backed_names(model)
+    assert_equal(before, tensors_of(model))
+
+
+def test_a_spill_directory_removed_under_the_run_changes_nothing(tmp_path):
+    """A temporary-file cleaner deletes the "auto" directory while its file is mapped: the mapping keeps
+    the bytes, training goes on exactly, and finish() has nothing left to delete."""
+    import shutil
+
+    model, plain = digits_resnet(), learner(digits_resnet())
+    run = learner(model, spill_waiting=True)
+    batches = digits_batches(6)
+    run.step(batches[0])
+    shutil.rmtree(run.method.waiting.directory)
+    for batch in batches[1:]:
+        run.step(batch)
+    for batch in batches:
+        plain.step(batch)
+    shutil.rmtree(run.method.waiting.directory)  # and the fresh one it made, before finish() cleans up
+    run.finish()
+    plain.finish()
+    assert_equal(tensors_of(plain.model), tensors_of(model))
+
+
+def test_a_learner_dropped_unclosed_deletes_its_spill_file(tmp_path):
+    import gc
+
+    run = learner(digits_resnet(), spill_waiting=True, spill_waiting_dir=str(tmp_path))
+    run.step(digits_batches(1)[0])
+    assert len(list(tmp_path.iterdir())) == 1
+    del run
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_weight_a_waiting_unit_shares_with_the_path_stays_in_memory():
+    model = digits_resnet()
+    trainer = learner(model, spill_waiting=True).method
+    waiting_unit = trainer.parts.view.units[trainer.stage.end]
+    shared = next(waiting_unit.parameters())
+    before = waiting_tensors(trainer.parts, trainer.stage)
+    assert any(t is shared for t in before)
+    trainer.parts.view.head.register_parameter("tied_for_test", shared)  # the head now holds it too
+    after = waiting_tensors(trainer.parts, trainer.stage)
+    assert not any(t is shared for t in after) and len(after) == len(before) - 1
+    trainer.close()

@@ -94,10 +94,6 @@ class WaitingSpill:
     _cleanup: Any = None        # removes an "auto" directory if the trainer is dropped unclosed
     _file_cleanup: Any = None   # removes the current file if the trainer is dropped unclosed
 
-    @property
-    def spilled_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.spilled.values())
-
     def apply(self, tensors: list[torch.Tensor]) -> None:
         """Map exactly `tensors` from a fresh spill file of their current values; tensors mapped before and
         not in `tensors` (their stage begins) come back into memory first."""
@@ -137,6 +133,10 @@ class WaitingSpill:
         self._file_cleanup = None if path is None else weakref.finalize(self, _unlink, path)
 
     def _spill_directory(self) -> Path:
+        if self.setting == "auto" and self.directory is not None and not self.directory.is_dir():
+            # A temporary-file cleaner removed it: a fresh one (the mapped file lives on while mapped).
+            self._cleanup.detach()
+            self._cleanup, self.directory = None, None
         if self.directory is None:
             if self.setting == "auto":
                 path = Path(tempfile.mkdtemp(prefix="edgetrain-waiting-"))
