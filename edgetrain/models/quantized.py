@@ -175,16 +175,18 @@ class PackedMatrix(nn.Module):
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
                         device: Any = None, scratch: bool = False) -> torch.Tensor:
         """Dense rows [start, stop); in this thread's scratch buffer with `scratch` (see scratch_tiles)."""
-        move = (lambda t: t) if device is None else (lambda t: t.to(device))  # noqa: E731
-        biases = None if self.biases is None else move(self.biases[start:stop])
-        return self._dequantize_packed(move(self.codes[start:stop]), move(self.scales[start:stop]), biases,
-                                       dtype, scratch)
+        codes, scales, biases = (t if t is None or device is None else t.to(device)
+                                 for t in self._packed_rows(slice(start, stop)))
+        return self._dequantize_packed(codes, scales, biases, dtype, scratch)
+
+    def _packed_rows(self, index: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Codes, scales and biases (None for a symmetric format) of the rows `index` selects."""
+        return self.codes[index], self.scales[index], None if self.biases is None else self.biases[index]
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense rows `indices` (any shape of integers): [*indices.shape, cols]."""
         flat = indices.reshape(-1)
-        biases = None if self.biases is None else self.biases[flat]
-        dense = self._dequantize_packed(self.codes[flat], self.scales[flat], biases, dtype)
+        dense = self._dequantize_packed(*self._packed_rows(flat), dtype)
         return dense.view(*indices.shape, self.cols)
 
     @property
@@ -387,6 +389,10 @@ class TiedQuantizedHead(nn.Module):
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
                         device: Any = None, scratch: bool = False) -> torch.Tensor:
         return self.table.dequantize_rows(start, stop, dtype, device, scratch)
+
+    def _packed_rows(self, index: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Codes, scales and biases (None for a symmetric format) of the rows `index` selects."""
+        return self.codes[index], self.scales[index], None if self.biases is None else self.biases[index]
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.table.dequantize_gathered(indices, dtype)

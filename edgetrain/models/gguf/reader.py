@@ -150,27 +150,23 @@ class _Cursor:
         return self.scalar("<Q", what)
 
     def string(self, what: str) -> str:
-        return bytes(self._utf8(what)).decode("utf-8")
-
-    def _utf8(self, what: str) -> memoryview:
-        """The bytes of one length-prefixed string, checked to be UTF-8."""
+        """One length-prefixed string, checked to be UTF-8."""
         start = self.pos
         length = self.u64(f"the length of {what}")
         if length > self.remaining:
             raise self.fail(f"{what} claims {length} bytes but only {self.remaining} remain in the file", start)
         raw = self.take(length, what)
         try:
-            bytes(raw).decode("utf-8")
+            return bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise self.fail(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})", start) from None
-        return raw
 
     def string_array(self, count: int, key: str) -> StringArray:
         """`count` strings, each checked as string() checks it, kept as the file's bytes (StringArray)."""
         first = self.pos
         ends = np.empty(count, dtype=np.int64)  # 8 bytes per item, each of which takes 8 or more in the file
         for index in range(count):
-            self._utf8(f"element {index} of array {key!r}")
+            self.string(f"element {index} of array {key!r}")  # checked, then dropped
             ends[index] = self.pos - first
         return StringArray(bytes(self.data[first:self.pos]), ends)
 
