@@ -18,13 +18,14 @@ _LAZY = {
     "LoraConfig": "edgetrain.models.lora", "add_lora": "edgetrain.adapters.portable",
     "load_lora": "edgetrain.models.lora", "merge_lora": "edgetrain.models.lora", "save_lora": "edgetrain.adapters.portable",
     "unmerge_lora": "edgetrain.models.lora",
-    "Learner": "edgetrain.learner", "StepStats": "edgetrain.learner",
+    "Learner": "edgetrain.training.learner", "StepStats": "edgetrain.training.stats",
     "generate": "edgetrain.models.generate", "held_out_loss": "edgetrain.models.generate",
     "Personaliser": "edgetrain.personalise",
 }
 
 if TYPE_CHECKING:
-    from edgetrain.learner import Learner, StepStats
+    from edgetrain.training.learner import Learner
+    from edgetrain.training.stats import StepStats
     from edgetrain.models import MODEL_PRESETS, load_model
     from edgetrain.models.generate import generate, held_out_loss
     from edgetrain.adapters.portable import add_lora, save_lora

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import edgetrain.backends.mlx  # noqa: F401  (registers the mlx backend)
+from edgetrain import Learner
 from edgetrain.backends.mlx.adapters import save_mlx_lm_adapters
-from edgetrain.backends.mlx.learner import MLXLearner
 from edgetrain.backends.mlx.loading import load_mlx_model
 from edgetrain.backends.mlx.lora import add_lora
 from edgetrain.data.text import TextStream
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     add_lora(model, rank=args.rank)
     stream = TextStream(paths=args.paths or None, seq_len=args.seq, tokenizer=tokenizer,
                         vocab_size=model.config.vocab_size, shuffle=True)
-    learner = MLXLearner(model, method="mesp", optimizer="adamw", lr=args.lr,
+    learner = Learner(model, backend="mlx", method="mesp", optimizer="adamw", lr=args.lr,
                          method_options={"fused_update": True}, probe="mlx")
     print(f"model {args.model} ({len(model.blocks)} blocks, {args.bits or 'full'}-bit base), LoRA rank "
           f"{args.rank}, {stream.batches_per_epoch} windows of {args.seq} tokens", flush=True)

@@ -177,7 +177,7 @@ def segprop_parity(steps: int, timeout: float) -> Parity:
 
 def scpl_parity(steps: int, timeout: float) -> Parity:
     import edgetrain
-    from edgetrain.checkpoint import load_safetensors_checked
+    from edgetrain.training.checkpoint import load_safetensors_checked
     from edgetrain.data import make_stream
     from edgetrain.recipes.scpl_pipeline import PipelineConfig, launch
 

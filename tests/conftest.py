@@ -2,12 +2,29 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 
 import edgetrain
 from testkit import random_lora_b, text_token_batches
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (tools/test runs `-n 2`), the workers share the machine's cores: each gets its
+    share of intra-op threads, and so do the processes its tests start (OMP_NUM_THREADS). Two workers each
+    running torch's default of one thread per core would wait on each other's threads, many times slower
+    than either alone."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    threads = max(1, (os.cpu_count() or 1) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycle inside edgetrain/, counting imports made inside functions too (a
-lazy import only hides a cycle until the redesign moves the code around it); no branching on a backend,
+"""The package's shape: no import cycle inside edgetrain/, counting imports made inside functions and
+type-only imports too (a lazy import only hides a cycle until the redesign moves the code around it, and a
+module that needs another's type to describe its own functions depends on it); no branching on a backend,
 framework or probe by name outside the registries that define them."""
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "edgetrain"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = path
@@ -25,24 +26,19 @@ def _nearest_module(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def _is_type_checking_block(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
-def import_graph() -> dict[str, set[str]]:
-    """module -> the edgetrain modules it imports anywhere in its code (not under `if TYPE_CHECKING`).
-    `from a.b import c` counts as an import of a.b.c when that is a module, else of a.b. Importing a
-    module also runs its parent packages' __init__; those edges are left out, or every module would be
-    in one cycle with edgetrain/__init__.py."""
-    modules = _modules()
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports anywhere in its code, `if TYPE_CHECKING:` blocks included.
+    `from a.b import c` counts as an import of a.b, and of a.b.c when that is a module (as
+    ../shared/tools/import_circles.py counts). Importing a module also runs its parent packages' __init__;
+    those edges are left out, or every module would be in one cycle with edgetrain/__init__.py."""
+    modules = _modules(package)
+    root = package.name
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         pending = [ast.parse(path.read_text(), str(path))]
         while pending:
             for node in ast.iter_child_nodes(pending.pop()):
-                if _is_type_checking_block(node):
-                    continue
                 targets: list[str] = []
                 if isinstance(node, ast.Import):
                     targets = [alias.name for alias in node.names]
@@ -51,11 +47,12 @@ def import_graph() -> dict[str, set[str]]:
                     if node.level:
                         parts = package.split(".")[:len(package.split(".")) - node.level + 1]
                         base = ".".join(parts + ([base] if base else []))
-                    targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                               for alias in node.names]
+                    targets = [base] + [f"{base}.{alias.name}" for alias in node.names
+                                        if f"{base}.{alias.name}" in modules]
                 for target in targets:
-                    resolved = _nearest_module(target, modules) if target.startswith("edgetrain") else None
-                    if resolved and resolved != name:
+                    resolved = _nearest_module(target, modules) if target.split(".")[0] == root else None
+                    # A module's own parent packages run before it anyway (see above).
+                    if resolved and resolved != name and not name.startswith(resolved + "."):
                         graph[name].add(resolved)
                 pending.append(node)
     return graph
@@ -108,7 +105,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_inside_edgetrain_even_through_imports_inside_functions():
     graph = import_graph()
-    assert "edgetrain.learner" in graph and "edgetrain.methods.base" in graph["edgetrain.learner"]
+    assert "edgetrain.training.learner" in graph and "edgetrain.methods.base" in graph["edgetrain.training.learner"]
     cycles = import_cycles(graph)
     assert cycles == [], "import cycles (each line: modules that import each other, directly or not):\n" + \
         "\n".join(", ".join(cycle) for cycle in cycles)
@@ -133,6 +130,16 @@ def test_methods_never_import_recipes_and_mechanisms_never_import_programs():
                        if (module.startswith("edgetrain.methods") or module.startswith("edgetrain.distributed"))
                        and target.startswith("edgetrain.recipes"))
     assert offenders == [], "\n".join(offenders)
+
+
+def test_a_type_only_import_closes_a_cycle(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "learner.py").write_text("from pkg.guard import guard_step\n")
+    (package / "guard.py").write_text("from typing import TYPE_CHECKING\n"
+                                      "if TYPE_CHECKING:\n    from pkg.learner import Learner\n")
+    assert import_cycles(import_graph(package)) == [["pkg.guard", "pkg.learner"]]
 
 
 def test_the_cycle_finder_finds_a_cycle_through_three_modules_and_ignores_a_chain():

@@ -5,7 +5,7 @@ import json
 import math
 
 from edgetrain.cli import main
-from edgetrain.learner import StepStats
+from edgetrain.training.learner import StepStats
 
 COMMON = ["train", "--model", "tiny", "--method", "bp", "--seq", "16", "--batch", "2", "--rank", "2", "--quiet"]
 
@@ -40,7 +40,7 @@ def test_schedule_accumulation_and_clipping_flags_reach_the_learner(tmp_path, ca
                           "warmup_steps=2", "--accumulate", "2", "--max-grad-norm", "0.5",
                           "--log-jsonl", str(log)]) == 0
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    from edgetrain.schedules import LRSchedule
+    from edgetrain.training.schedules import LRSchedule
 
     warmup = LRSchedule.make("linear-warmup", {"warmup_steps": 2})
     assert [line["lr"] for line in lines] == [warmup.rate(0.01, step) for step in range(3)]

@@ -11,9 +11,9 @@ import torch
 
 import edgetrain
 from edgetrain.cli import main as cli_main
-from edgetrain.learner import MemoryBudgetError
 from edgetrain.methods import METHODS
 from edgetrain.methods.mezo import Directions
+from edgetrain.training.learner import MemoryBudgetError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch-cuda backend)")
 

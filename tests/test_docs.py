@@ -34,7 +34,7 @@ def test_the_docs_site_builds_with_no_warning(tmp_path):
         assert flag in cli, f"the CLI reference lacks {flag}"
     assert "agx-orin-32gb" in (site / "devices" / "index.html").read_text(encoding="utf-8")
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
-    assert 'id="edgetrain.learner.Learner"' in api
+    assert 'id="edgetrain.training.learner.Learner"' in api
 
 
 def test_the_readme_is_short_keeps_the_set_up_commands_and_links_to_pages_that_exist():
@@ -47,3 +47,24 @@ def test_the_readme_is_short_keeps_the_set_up_commands_and_links_to_pages_that_e
     assert len(docs_pages) >= 10, f"README.md links to only {docs_pages} in docs/"
     missing = [target for target in targets if not (ROOT / target).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_the_package_picture_in_the_docs_is_the_codes():
+    # docs/layout.md's picture of edgetrain/ is drawn from the code by tools/package_map.py: a module moved,
+    # added or removed without redrawing it fails here.
+    result = subprocess.run([sys.executable, "tools/package_map.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_package_picture_lists_every_module_of_the_package():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("package_map", ROOT / "tools" / "package_map.py")
+    package_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(package_map)
+    tree = package_map.picture().split("```text", 1)[1].split("```", 1)[0]
+    listed = [line.split()[0] for line in tree.splitlines() if line.strip()]
+    expected = [path.name for path in (ROOT / "edgetrain").rglob("*.py") if path.name != "__init__.py"]
+    expected += [f"{path.parent.name}/" for path in (ROOT / "edgetrain").rglob("__init__.py")]
+    assert sorted(listed) == sorted(expected)

@@ -10,7 +10,7 @@ import torch
 
 import edgetrain
 from edgetrain.data.batch import Batch
-from edgetrain.learner import TrainingError
+from edgetrain.training.learner import TrainingError
 from testkit import text_token_batches
 
 
@@ -191,7 +191,7 @@ def test_memory_budget_refuses_with_figures_and_suggestions(tiny_lora, text_batc
     learner = edgetrain.Learner(tiny_lora(), method="bp", probe=None,
                                 memory_budget="1MiB")
     before = _weights(learner)
-    from edgetrain.learner import MemoryBudgetError
+    from edgetrain.training.learner import MemoryBudgetError
 
     # What a step adds is measured and ranked without the weights; the untried methods by their estimates,
     # mesp below mebp below bp for a LoRA decoder (mezo, inference memory, is lowest on this small one).
@@ -288,7 +288,7 @@ print("RESULT", learner.method_name, stats.step)
 
 
 def test_parse_bytes():
-    from edgetrain.learner import parse_bytes
+    from edgetrain.training.learner import parse_bytes
 
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5 GB") == 1_500_000_000
     assert parse_bytes(1024) == 1024
@@ -303,7 +303,7 @@ def test_memory_budget_without_os_probe_uses_tensor_accounting(tiny_lora, text_b
     monkeypatch.setitem(PROBES._entries, default_probe_name("torch-cpu"), unavailable)
     learner = edgetrain.Learner(tiny_lora(), method="bp", memory_budget="1MiB")
     assert "tensor accounting" in caplog.text
-    from edgetrain.learner import MemoryBudgetError
+    from edgetrain.training.learner import MemoryBudgetError
 
     with pytest.raises(MemoryBudgetError, match="measured by the tensors probe"):
         learner.step(text_batches(1, seq_len=256)[0])
@@ -323,7 +323,7 @@ def test_a_device_targets_budget_refuses_and_an_explicit_budget_overrides_it(tin
     (tmp_path / "watch.toml").write_text('description = "a 1 MiB device"\nbackend = "torch-cpu"\nprobe = "linux"\n'
                                          'dtype = "float32"\nmemory_budget_mib = 1\n')
     monkeypatch.setenv("EDGETRAIN_TARGETS_DIR", str(tmp_path))
-    from edgetrain.learner import MemoryBudgetError
+    from edgetrain.training.learner import MemoryBudgetError
 
     learner = edgetrain.Learner(tiny_lora(), method="bp", target="watch")
     assert learner.memory_budget == 2**20

@@ -11,8 +11,8 @@ import pytest
 
 import edgetrain
 from edgetrain.cli import main as cli_main
-from edgetrain.logs import ROOT_LOGGER, configure_cli_logging
-from edgetrain.progress import NoBar, progress_bar
+from edgetrain.utils.logs import ROOT_LOGGER, configure_cli_logging
+from edgetrain.utils.progress import NoBar, progress_bar
 
 PACKAGE = Path(edgetrain.__file__).resolve().parent
 # Programs (a main() run from the command line) may print their results; library code may not.
@@ -36,14 +36,14 @@ def _prints_outside_main(path: Path) -> list[int]:
 def test_library_code_never_prints():
     found = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*.py"))
              if not _allowed(path) and (lines := _prints_outside_main(path))}
-    assert found == {}, f"print() in library code (use edgetrain.logs.get_logger): {found}"
+    assert found == {}, f"print() in library code (use edgetrain.utils.logs.get_logger): {found}"
 
 
 def test_fit_logs_progress_lines_at_info_and_prints_nothing(tiny_lora, text_batches, caplog, capsys):
     learner = edgetrain.Learner(tiny_lora(), method="bp", probe=False)
     with caplog.at_level(logging.INFO, logger=ROOT_LOGGER):
         learner.fit(text_batches(4), max_steps=4, log_every=2, progress=True)  # not a terminal: no bar
-    lines = [r.getMessage() for r in caplog.records if r.name == "edgetrain.learner"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "edgetrain.training.learner"]
     assert [line.split()[1] for line in lines] == ["2/4", "4/4"] and "loss" in lines[0]
     assert capsys.readouterr() == ("", "")
     with pytest.raises(edgetrain.EdgetrainError, match="log_every"):

@@ -1,4 +1,4 @@
-"""Reductions run in edgetrain.precision.compute_dtype: fp32 for bf16 and fp32 models (as the reference
+"""Reductions run in edgetrain.training.precision.compute_dtype: fp32 for bf16 and fp32 models (as the reference
 implementations), fp64 for fp64 models -- which used to normalise and take the loss in fp32, so that an
 "fp64 reference" was off the exact value by fp32 rounding."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgetrain.losses import classify_loss, lm_loss
 from edgetrain.models.llama import RMSNorm
-from edgetrain.precision import compute_dtype
+from edgetrain.training.losses import classify_loss, lm_loss
+from edgetrain.training.precision import compute_dtype
 
 
 def test_compute_dtype_is_at_least_fp32_and_keeps_fp64():

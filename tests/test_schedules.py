@@ -6,7 +6,7 @@ import math
 import pytest
 
 import edgetrain
-from edgetrain.schedules import LRSchedule, ScheduleError, check_learning_rate
+from edgetrain.training.schedules import LRSchedule, ScheduleError, check_learning_rate
 
 
 def _rates(name: str, steps: int, **options) -> list[float]:

@@ -1,16 +1,16 @@
-"""The memory a step adds, estimated from a decoder's shape (edgetrain/step_estimates.py), and the budget
-guard's ranking of methods by it (edgetrain/budget_report.py)."""
+"""The memory a step adds, estimated from a decoder's shape (edgetrain/training/step_estimates.py), and the budget
+guard's ranking of methods by it (edgetrain/training/budget_report.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import edgetrain
-from edgetrain.budget_report import StepFigure, lower_memory_methods, rank_methods
 from edgetrain.data.batch import Batch
 from edgetrain.models.decoder_presets import qwen25_config
 from edgetrain.models.llama import LlamaModel
-from edgetrain.step_estimates import estimate_step_bytes
+from edgetrain.training.budget_report import StepFigure, lower_memory_methods, rank_methods
+from edgetrain.training.step_estimates import estimate_step_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,7 +39,7 @@ import json, sys, torch, edgetrain
 sys.path.insert(0, "tests")
 from testkit import random_lora_b, text_token_batches
 from edgetrain.probes import TensorAccountant
-from edgetrain.step_estimates import estimate_step_bytes
+from edgetrain.training.step_estimates import estimate_step_bytes
 torch.set_num_threads(1)
 batch = text_token_batches(1, seq_len=256)[0]
 figures = {}

@@ -1,4 +1,4 @@
-"""StepStats.peak_bytes is the memory a step adds (edgetrain/step_memory.py): the same whatever the process ran
+"""StepStats.peak_bytes is the memory a step adds (edgetrain/training/step_memory.py): the same whatever the process ran
 before, file-backed pages left out, tensor accounting's registered model left out."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import edgetrain
 from edgetrain.probes import LinuxProbe, TensorAccountant
 from edgetrain.probes.glibc import fix_malloc_mmap_threshold
 from edgetrain.methods import METHODS
-from edgetrain.step_memory import StepMemory
+from edgetrain.training.step_memory import StepMemory
 from testkit import process_memory_state
 
 # One thread here and in the fresh process: the same kernels, and no OpenMP spinning on a busy machine.

@@ -14,7 +14,7 @@ import torch
 
 import edgetrain
 from edgetrain.data.batch import Batch
-from edgetrain.learner import MemoryBudgetError
+from edgetrain.training.learner import MemoryBudgetError
 from testkit import process_memory_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -48,7 +48,7 @@ KILLS_OF = "tests/promises/test_mutation_kills_{}.py"
 NON_FINITE = "tests/reliability/test_non_finite.py"
 
 TARGETS: dict[str, Target] = {
-    "checkpoint": Target(["edgetrain/checkpoint.py", "edgetrain/atomic_files.py"], [
+    "checkpoint": Target(["edgetrain/training/checkpoint.py", "edgetrain/files/atomic.py"], [
         KILLS, "tests/reliability/test_crash_safe_saves.py",
         "tests/reliability/test_fuzz_loaders.py::test_damaged_learner_checkpoint_is_detected",
         "tests/test_learner.py::test_save_load_resumes_exactly",
@@ -127,7 +127,7 @@ TARGETS: dict[str, Target] = {
     # segments' weights mapped from a file. (Option checks are guarded by the same tests.)
     "segprop_memory": Target(["edgetrain/methods/segprop/head_last.py", "edgetrain/methods/segprop/waiting_spill.py"], [
         "tests/methods/test_segprop_spill.py", "tests/methods/test_segprop_memory.py"]),
-    "resume": Target(["edgetrain/learner.py"], [
+    "resume": Target(["edgetrain/training/learner.py"], [
         KILLS, "tests/reliability/test_crash_safe_saves.py",
         "tests/test_learner.py::test_save_load_resumes_exactly",
         "tests/test_learner.py::test_adam_state_survives_checkpoint",

@@ -119,7 +119,7 @@ def main() -> int:
                        ["mebp", "mesp:lean", "mesp:store"], 256, 8, args,
                        **{"mesp:store": {"fused_update": True, "rollback": False}})
     if args.json:
-        from edgetrain.checkpoint import atomic_write_json
+        from edgetrain.training.checkpoint import atomic_write_json
 
         atomic_write_json(RECORDS, args.json)
     return 0

@@ -3,7 +3,7 @@ to MLX mebp, for the Qwen2.5-0.5B / 1.5B / 3B shapes (random weights: memory and
 shapes only) at seq 256, LoRA rank 8 on all seven projections, 4-bit base (group size 64), batch 1.
 
 Each (model, method) runs in a fresh subprocess through edgetrain.backends.mlx.profile (the real
-training path: MLXLearner, SGD). Memory is the MLX probe: mx.get_peak_memory above the pre-step
+training path: edgetrain.Learner with backend="mlx", SGD). Memory is the MLX probe: mx.get_peak_memory above the pre-step
 baseline (weights and optimizer state excluded, as the paper's per-step figures), max over the
 timed steps. mesp runs with fused_update (the paper updates each block's adapters at once).
 

@@ -19,7 +19,7 @@ exact-gradient arms follow the same trajectory, and their curves should lie on t
 
 Measured per arm: held-out perplexity before, every --eval-every steps and after; s/step (median over
 the timed steps); memory by the OS probe (Linux RSS high-water mark, glibc mmap threshold pinned): the
-peak a step adds above the memory held before it (StepStats.peak_bytes, edgetrain/step_memory.py) and
+peak a step adds above the memory held before it (StepStats.peak_bytes, edgetrain/training/step_memory.py) and
 the process's whole peak RSS during a step (weights included); and by tensor accounting
 (edgetrain.probes.TensorAccountant, which wraps any torch model, PEFT's included) the step's peak of live
 tensors above the pre-step baseline. Step 1 is a warm-up and step 2 runs under tensor accounting (which
@@ -265,7 +265,7 @@ class PeftArm:
             raise SystemExit("PEFT's adapter is not the initial adapter after loading it")
 
     def _train(self, inputs, targets) -> float:
-        from edgetrain.losses import lm_loss
+        from edgetrain.training.losses import lm_loss
 
         logits = self.model(input_ids=inputs, use_cache=False).logits
         loss = lm_loss(logits, targets)
@@ -275,8 +275,8 @@ class PeftArm:
         return float(loss)
 
     def step(self, inputs, targets) -> tuple[float, float, int | None, int | None]:
-        """As EdgetrainArm.step, read the way the Learner reads its steps (edgetrain.step_memory.StepMemory)."""
-        from edgetrain.step_memory import StepMemory
+        """As EdgetrainArm.step, read the way the Learner reads its steps (edgetrain.training.step_memory.StepMemory)."""
+        from edgetrain.training.step_memory import StepMemory
 
         with StepMemory(self.probe) as window:
             start = time.perf_counter()

@@ -12,7 +12,7 @@ edgetrain imported, nothing built; file-backed pages left out) plus the step's p
 
 plus, with --gguf (SmolLM2-135M by default), mesp on that GGUF with its Q4_1 blocks kept as stored, with
 the default chunk options and with LEAN_CHUNKS.
-The floor is edgetrain's analytic step memory (edgetrain/step_estimates.py: stored block inputs, one
+The floor is edgetrain's analytic step memory (edgetrain/training/step_estimates.py: stored block inputs, one
 block's working set or one loss tile, the dequantised matrix, the block's gradients); peak/floor is the
 probe's step peak over it.
 

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import edgetrain  # noqa: E402
-from edgetrain.checkpoint import atomic_write_json  # noqa: E402
+from edgetrain.training.checkpoint import atomic_write_json  # noqa: E402
 from edgetrain.data.batch import Batch  # noqa: E402
 from edgetrain.recipes import run_schedule  # noqa: E402
 from edgetrain.methods.segprop.flops import schedule_flops  # noqa: E402
@@ -48,7 +48,7 @@ from edgetrain.models.resnet import ResNetConfig, build_resnet, resnet18_imagene
 from edgetrain.probes.tensors import TensorAccountant  # noqa: E402
 from edgetrain.profiler.bench import (Arm, Column, format_table, measure_interleaved, ratios,  # noqa: E402
                                       summarise, write_json, write_png)
-from edgetrain.progress import progress_bar  # noqa: E402
+from edgetrain.utils.progress import progress_bar  # noqa: E402
 
 MIB = 2**20
 SECTIONS = ("memory", "snapcheck", "flops", "digits", "fashion")

@@ -43,10 +43,10 @@ from edgetrain.recipes.subnet_dp.trainer import (SubnetDPConfig, train_simulated
                                                   train_stochastic_depth)
 from edgetrain.methods.subnet_dp.alignment import mean_alignment  # noqa: E402
 from edgetrain.models.resnet_subnet import digits_subnet_config  # noqa: E402
-from edgetrain.checkpoint import atomic_write_json  # noqa: E402
+from edgetrain.training.checkpoint import atomic_write_json  # noqa: E402
 from edgetrain.profiler.bench import (Arm, Column, format_table, measure_interleaved, summarise,  # noqa: E402
                                       write_json, write_png)
-from edgetrain.progress import progress_bar  # noqa: E402
+from edgetrain.utils.progress import progress_bar  # noqa: E402
 
 MIB = 2**20
 DP = "subnet_dp P=N (DP)"

@@ -746,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "claims": results,
                "runs": [r for (fp, _), r in sorted(runs.items(), key=lambda kv: kv[0][1])
                         if any(fp == settings.fingerprint(e) for e in experiments)]}
-    from edgetrain.checkpoint import atomic_write_json
+    from edgetrain.training.checkpoint import atomic_write_json
 
     atomic_write_json(payload, args.out / "study.json")
     (args.out / "table.md").write_text(table + "\n")

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgetrain.logs import get_logger
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig
+from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -65,7 +65,7 @@ def write_gguf_lora(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
     except ImportError as exc:
         raise AdapterError(f"writing a GGUF adapter needs the gguf package (pip install 'edgetrain[gguf]'): "
                            f"{exc}") from None
-    from edgetrain.checkpoint import atomic_write_file
+    from edgetrain.training.checkpoint import atomic_write_file
 
     arrays: dict[str, np.ndarray] = {}
     for name in sorted(tensors, key=_block_order):

@@ -64,7 +64,7 @@ def write_peft_adapter(config: LoraConfig, tensors: dict[str, torch.Tensor], dir
     """Adapter `tensors` (edgetrain names) with `config` as a PEFT adapter directory, written atomically."""
     from safetensors.torch import save_file
 
-    from edgetrain.checkpoint import atomic_write_directory
+    from edgetrain.training.checkpoint import atomic_write_directory
 
     renamed = {peft_key(name): t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
@@ -108,8 +108,8 @@ def _config_from_peft(raw: Any, source: Path) -> LoraConfig:
 def read_peft_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor], Path]:
     """(config, tensors under edgetrain's names, the weights file) of a PEFT LoRA adapter directory, whose
     config must describe plain LoRA on decoder projections."""
-    from edgetrain.checkpoint import readable_directory
-    from edgetrain.user_files import read_json_object
+    from edgetrain.files.user import read_json_object
+    from edgetrain.training.checkpoint import readable_directory
 
     directory = readable_directory(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE

@@ -22,8 +22,7 @@ class Backend:
     probe: Callable[[], str]            # the name of the memory probe that reads what this backend uses
     # What differs by framework, as "module:attribute": imported only when used, so that registering a
     # backend never imports its framework. Callers ask the entry; nothing else compares backend names.
-    learner: str = "edgetrain.learner:Learner"          # the learner class for this framework's models
-    engine: str = "edgetrain.engines.torch_engine:TorchEngine"  # its tensor work (edgetrain.engines)
+    engine: str = "edgetrain.backends.torch.engine:TorchEngine"  # its tensor work (edgetrain.training.engine)
     loader: str = "edgetrain.models:load_torch_model"   # (name_or_path, dtype, device) -> model
     methods: str = "edgetrain.methods:METHODS"          # the registry of methods this framework runs
     profiler: str = "edgetrain.profiler.worker:profile_torch_method"  # ProfileConfig -> record
@@ -43,11 +42,8 @@ class Backend:
     # of edgetrain.models.generate, which hands a model of another framework to its backend's module).
     text_out: str = "edgetrain.models.generate"
 
-    def learner_class(self) -> type:
-        return _resolve(self.learner)
-
     def make_engine(self) -> Any:
-        """A new engine (edgetrain.engines) for one learner on this backend's device."""
+        """A new engine (edgetrain.training.engine) for one learner on this backend's device."""
         return _resolve(self.engine)(self.device)
 
     def load_model(self, name_or_path: Any, dtype: Any, device: Any, **options: Any) -> Any:
@@ -100,6 +96,13 @@ def _resolve(path: str) -> Any:
 
 def get_backend(name: str) -> Backend:
     return BACKENDS.get(name).require()
+
+
+def model_framework(model: Any) -> str:
+    """The framework of `model`: a model of another framework than torch names it in its `framework`
+    attribute (MLX's decoder does); one that names none is a torch model."""
+    framework = getattr(model, "framework", None)
+    return framework if isinstance(framework, str) else BACKENDS.get(DEFAULT_BACKEND).framework
 
 
 def text_functions_for(model: Any) -> ModuleType:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
             args = apply_config(parser, subparsers[args.command], argv,
                                 read_config(args.config, subparsers[args.command]))
-        from edgetrain.logs import configure_cli_logging
+        from edgetrain.utils.logs import configure_cli_logging
 
         configure_cli_logging(quiet=args.quiet)
         return importlib.import_module(f"edgetrain.cli.{SUBCOMMANDS[args.command]}").main(args)

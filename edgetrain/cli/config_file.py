@@ -18,8 +18,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from edgetrain.files.user import require_regular_file
 from edgetrain.registry import EdgetrainError
-from edgetrain.user_files import require_regular_file
 
 # A run file is a few lines; anything larger is not one.
 MAX_CONFIG_BYTES = 1 << 20

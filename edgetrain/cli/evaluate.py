@@ -32,8 +32,8 @@ def main(args: argparse.Namespace) -> int:
 
     from edgetrain.data import text_stream
     from edgetrain.data.tokenizer import model_tokenizer
-    from edgetrain.logs import get_logger
     from edgetrain.registry import EdgetrainError
+    from edgetrain.utils.logs import get_logger
 
     if args.max_batches is not None and args.max_batches < 1:
         raise EdgetrainError(f"--max-batches must be at least 1, got {args.max_batches}")

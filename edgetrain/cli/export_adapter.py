@@ -31,7 +31,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     from edgetrain.adapters.convert import convert_adapter, detect_format
-    from edgetrain.logs import get_logger
+    from edgetrain.utils.logs import get_logger
 
     base_config = None
     if args.model is not None:

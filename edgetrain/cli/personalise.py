@@ -141,7 +141,7 @@ def read_examples(paths: list[str], fmt: str = "auto", stdin: Any = None) -> lis
 
 
 def _event_logger():
-    from edgetrain.logs import get_logger
+    from edgetrain.utils.logs import get_logger
 
     log = get_logger("edgetrain.cli.personalise")
 

@@ -98,8 +98,8 @@ def main(args: argparse.Namespace) -> int:
         from edgetrain.targets import load_target
 
         target = load_target(args.target)
-    from edgetrain.logs import get_logger
-    from edgetrain.progress import progress_bar
+    from edgetrain.utils.logs import get_logger
+    from edgetrain.utils.progress import progress_bar
 
     log = get_logger(__name__)
     records = []

@@ -87,8 +87,8 @@ def _one_file(path: str) -> bool:
 
 def _check_outputs(args: argparse.Namespace, backend) -> None:
     """Refuse, before any work, a run whose checkpoints or adapter could not be written."""
-    from edgetrain.checkpoint import ensure_writable_directory, ensure_writable_target
     from edgetrain.registry import EdgetrainError
+    from edgetrain.training.checkpoint import ensure_writable_directory, ensure_writable_target
 
     if args.checkpoint_dir is not None:
         if args.checkpoint_every < 1:
@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
     import edgetrain
     from edgetrain.backends import get_backend
     from edgetrain.data import make_stream
-    from edgetrain.logs import get_logger
+    from edgetrain.utils.logs import get_logger
 
     torch.manual_seed(args.seed)
     backend = get_backend(args.backend)

@@ -36,8 +36,8 @@ from edgetrain.data.files import describe_files, find_text_files, is_jsonl
 from edgetrain.data.indexed import EpochOrder, IndexedStream
 from edgetrain.data.jsonl import JsonlError, Record, iter_lines, parse_record, read_line
 from edgetrain.data.tokenizer import ByteTokenizer, Tokenizer
-from edgetrain.losses import IGNORE_INDEX
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import IGNORE_INDEX
 
 _CACHED_RECORDS = 8  # tokenised records kept for the next batches: enough for one record's run of windows
 

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from edgetrain.logs import get_logger
 from edgetrain.registry import EdgetrainError
+from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from edgetrain.data.batch import Batch
-from edgetrain.losses import IGNORE_INDEX
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import IGNORE_INDEX
 
 
 class BadBatchError(EdgetrainError, ValueError):

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(torchrun_argv))
     except ChildFailedError as error:
-        from edgetrain.checkpoint import atomic_write_bytes
+        from edgetrain.training.checkpoint import atomic_write_bytes
 
         atomic_write_bytes(json.dumps(failure_record(error), indent=1).encode(), failures_path)
         print(error.format_msg(), file=sys.stderr)  # the summary torchrun itself prints, for people

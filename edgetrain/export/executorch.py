@@ -22,16 +22,13 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from edgetrain.checkpoint import atomic_write_bytes
+from edgetrain.training.checkpoint import atomic_write_bytes
 from edgetrain.data.batch import Batch
 from edgetrain.export.trainable import (BatchSignature, ExportError, LossModule, require, strip_prefix,
                                         trainable_names)
 
 EXECUTORCH_VERSION = "1.5.1"
 METHOD = "forward"
-GRADIENTS_INDEX_METHOD = f"__et_training_gradients_index_{METHOD}"
-PARAMETERS_INDEX_METHOD = f"__et_training_parameters_index_{METHOD}"
-FQN_METHOD = f"__et_training_fqn_{METHOD}"
 
 
 def _require_executorch() -> None:

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgetrain.logs import get_logger
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.registry import EdgetrainError
+from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -109,8 +109,8 @@ def save_merged_hf(model: nn.Module, directory: str | Path, dtype: torch.dtype |
     transformers' from_pretrained and edgetrain.load_model read. `dtype` defaults to the model's."""
     from safetensors.torch import save_file
 
-    from edgetrain.checkpoint import atomic_write_directory
     from edgetrain.models.llama import edgetrain_key_to_hf
+    from edgetrain.training.checkpoint import atomic_write_directory
 
     config = _require_decoder(model)
     state = merged_state_dict(model)
@@ -135,10 +135,10 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, 
         import gguf
     except ImportError as exc:
         raise MergeError(f"writing a GGUF file needs the gguf package (pip install 'edgetrain[gguf]'): {exc}") from None
-    from edgetrain.checkpoint import atomic_write_file
     from edgetrain.models.gguf.config import config_from_metadata
     from edgetrain.models.gguf.loader import gguf_name_to_edgetrain, permute_rope_rows, rope_heads
     from edgetrain.models.gguf.reader import read_gguf
+    from edgetrain.training.checkpoint import atomic_write_file
 
     if dtype not in GGUF_DTYPES:
         raise MergeError(f"merged GGUF dtype {dtype!r}; supported: {', '.join(GGUF_DTYPES)} "

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgetrain.checkpoint import atomic_write_directory, readable_directory
+from edgetrain.training.checkpoint import atomic_write_directory, readable_directory
 from edgetrain.data.batch import Batch
 from edgetrain.export.trainable import (WRAPPED_PREFIX, BatchSignature, ExportError, LossModule, require,
                                         strip_prefix, trainable_names)

@@ -18,9 +18,9 @@ from typing import Iterable
 
 import torch
 
-from edgetrain.checkpoint import atomic_write_bytes
 from edgetrain.data.batch import Batch
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.checkpoint import atomic_write_bytes
 
 MAGIC = b"EDGEBAT1"
 DTYPE_CODES = {torch.float32: 0, torch.int64: 1}

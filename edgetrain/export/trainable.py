@@ -1,7 +1,7 @@
 """What gets exported: a model with some weights trainable, wrapped so that its loss is computed inside.
 
 Both device runtimes train a program that takes (inputs, targets) and returns the loss, so the loss the
-learner optimises (edgetrain.losses.task_loss: cross-entropy over next tokens or over classes) lives
+learner optimises (edgetrain.training.losses.task_loss: cross-entropy over next tokens or over classes) lives
 inside the exported module, as its first (and only) output. Which weights learn is decided before export
 by `requires_grad`, exactly as for the Learner:
 
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
-from edgetrain.losses import task_loss
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import task_loss
 
 TRAINABLE_PARTS = ("lora", "head")
 # Parameter names inside the exported program are the model's own names under this prefix.
@@ -134,7 +134,7 @@ def torch_sgd_trajectory(model: nn.Module, batches: Iterable[Batch], lr: float
     """The reference: the same steps by edgetrain.Learner (plain backprop, SGD) in torch.
 
     Returns the loss of every step (before its update) and the trainable weights after the last one."""
-    from edgetrain.learner import Learner
+    from edgetrain.training.learner import Learner
 
     learner = Learner(model, method="bp", optimizer="sgd", lr=lr, probe=False, seed=None)
     losses = [learner.step(batch).loss for batch in batches]

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from edgetrain.data.batch import Batch
-from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, no_options, require_finite, take_gradients, trainable_parameters
+from edgetrain.training.losses import task_loss
 
 
 def full_forward(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:

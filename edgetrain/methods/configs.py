@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 from edgetrain.methods.options import flag_option, int_option, positive_int_option, positive_number_option
 from edgetrain.registry import EdgetrainError
-
-Config = TypeVar("Config")
 
 
 def _checked(check: Callable[[str, str, Any], Any], default: Any, optional: bool = False) -> Any:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.func import functional_call
 
 from edgetrain.data.batch import Batch
-from edgetrain.losses import task_loss
+from edgetrain.training.losses import task_loss
 from edgetrain.methods.base import (METHODS, plain_sgd_learning_rates, require_finite, require_finite_gradients,
                                     require_finite_update, require_step_fits, trainable_parameters)
 from edgetrain.methods.fgd import Unit, block_units

@@ -14,7 +14,7 @@ from torch import nn
 from edgetrain.models.llama import ConfigError
 from edgetrain.models.zoo import ARCHITECTURES
 from edgetrain.registry import EdgetrainError, UnknownNameError
-from edgetrain.user_files import read_json_object, require_regular_file
+from edgetrain.files.user import read_json_object, require_regular_file
 
 
 class CheckpointError(EdgetrainError, OSError):

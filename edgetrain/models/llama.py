@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from edgetrain.precision import compute_dtype
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.precision import compute_dtype
 
 # Sizes beyond these are not a decoder any device in scope could hold; a config past them is damaged.
 _MAX_DIM = 1 << 17
@@ -189,7 +189,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as the reference implementations do, so bf16 models match them; an fp64
-        # model normalises in fp64 (edgetrain.precision), so that it is a true fp64 reference.
+        # model normalises in fp64 (edgetrain.training.precision), so that it is a true fp64 reference.
         work = x.to(compute_dtype(x.dtype, self.weight.dtype))
         normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)

@@ -65,7 +65,7 @@ class LoraConfig:
     @classmethod
     def from_json(cls, text: str, source: str) -> "LoraConfig":
         """The config stored with an adapter (`source` names the file in errors)."""
-        from edgetrain.user_files import parse_json
+        from edgetrain.files.user import parse_json
 
         raw = parse_json(text, AdapterError, f"{source} (LoRA config)")
         known = {f.name for f in fields(cls)}
@@ -199,7 +199,7 @@ def save_lora(model: nn.Module, path: str | Path) -> Path:
 def write_lora_file(config: LoraConfig, tensors: dict[str, torch.Tensor], path: str | Path) -> Path:
     """edgetrain's adapter file: the tensors (edgetrain names) in safetensors, the config in its metadata,
     written atomically."""
-    from edgetrain.checkpoint import atomic_save_safetensors
+    from edgetrain.training.checkpoint import atomic_save_safetensors
 
     return atomic_save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path,
                                    metadata={"lora_config": json.dumps(asdict(config))})
@@ -207,7 +207,7 @@ def write_lora_file(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
 
 def read_lora_file(path: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """(config, tensors) of an edgetrain adapter file, checksum verified."""
-    from edgetrain.checkpoint import load_safetensors_checked
+    from edgetrain.training.checkpoint import load_safetensors_checked
 
     tensors, metadata = load_safetensors_checked(path)
     if "lora_config" not in metadata:

@@ -75,11 +75,6 @@ def _under_functorch() -> bool:
     return peek is not None and peek() is not None
 
 
-def release_scratch() -> None:
-    """Drop this thread's dequantisation buffers (they are made again when a layer next computes)."""
-    _SCRATCH.__dict__.pop("buffers", None)
-
-
 class PackedMatrix(nn.Module):
     """A frozen [rows, cols] matrix held packed (see the module docstring). Its tensors are buffers:
     nothing here trains."""
@@ -389,10 +384,6 @@ class TiedQuantizedHead(nn.Module):
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
                         device: Any = None, scratch: bool = False) -> torch.Tensor:
         return self.table.dequantize_rows(start, stop, dtype, device, scratch)
-
-    def _packed_rows(self, index: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Codes, scales and biases (None for a symmetric format) of the rows `index` selects."""
-        return self.codes[index], self.scales[index], None if self.biases is None else self.biases[index]
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.table.dequantize_gathered(indices, dtype)

@@ -86,7 +86,7 @@ def bind(store: Store, directory: Path, model: str | Path, loaded: Any, kind: Mo
         if store.get_meta("model", None, connection) is not None:
             raise StoreBusyError(f"store {directory} was bound to a model by another process meanwhile")
         wrong = []
-        for _, example, kind_name, body in store.rows(connection=connection):
+        for _, example, _, body in store.rows(connection=connection):
             try:
                 kind.check(example_from_body(body))
             except BadExampleError as exc:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from edgetrain.logs import get_logger
+from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 

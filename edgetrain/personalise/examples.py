@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from edgetrain.personalise.errors import BadExampleError, WrongKindError
 
@@ -190,7 +190,3 @@ def is_held_out(example: str, every: int) -> bool:
     """Whether the example with id `example` is held out: one in `every`, chosen by the id's hash, so the
     same examples are held out in every run and every process."""
     return int(hashlib.sha256(f"held-out:{example}".encode()).hexdigest()[:8], 16) % every == 0
-
-
-def parse_examples(values: Sequence[Any]) -> list[Example]:
-    return [parse_example(value) for value in values]

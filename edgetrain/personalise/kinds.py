@@ -20,12 +20,12 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from edgetrain.checkpoint import atomic_write_file
 from edgetrain.data.batch import Batch
 from edgetrain.data.indexed import seeded_permutation
 from edgetrain.personalise.errors import ModelMismatchError, PersonaliseError
 from edgetrain.personalise.examples import Example, ModelKind
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.checkpoint import atomic_write_file
 
 
 class NotEnoughData(PersonaliseError):
@@ -163,7 +163,7 @@ class DecoderKind:
                 for n, i in enumerate(range(0, len(rows), rows_per_batch))]
 
     def step_estimate(self, model: Any, batch: Batch, method: str) -> int | None:
-        from edgetrain.step_estimates import estimate_step_bytes
+        from edgetrain.training.step_estimates import estimate_step_bytes
 
         try:
             return estimate_step_bytes(model, batch, method)
@@ -186,14 +186,14 @@ class ClassifierKind:
         pass
 
     def save(self, model: Any, path: Path) -> Path:
-        from edgetrain.checkpoint import atomic_save_safetensors
+        from edgetrain.training.checkpoint import atomic_save_safetensors
 
         return atomic_save_safetensors(dict(model.state_dict()), path, {"format": "edgetrain-personalise-weights"})
 
     def load(self, model: Any, path: Path) -> None:
         import torch
 
-        from edgetrain.checkpoint import load_safetensors_checked
+        from edgetrain.training.checkpoint import load_safetensors_checked
 
         tensors, _ = load_safetensors_checked(path)
         own = model.state_dict()

@@ -34,7 +34,8 @@ from edgetrain.personalise.events import EventCallback, EventLog
 from edgetrain.personalise.examples import ModelKind, is_held_out
 from edgetrain.personalise.kinds import model_kind
 from edgetrain.personalise.policy import Policy
-from edgetrain.personalise.runner import Runner, RunResult, run_lock
+from edgetrain.personalise.run_result import RunResult
+from edgetrain.personalise.runner import Runner, run_lock
 from edgetrain.personalise.sensors import as_sensors
 from edgetrain.personalise.store import EVENTS, Store
 from edgetrain.personalise.versions import Version, Versions, check_keep
@@ -140,7 +141,7 @@ class Personaliser:
         """The base model, the same weights in every process (presets are random init: seeded)."""
         return load_base(name, self.backend_name, self.seed)
 
-    def _require_model(self) -> tuple[Any, Any]:
+    def require_model(self) -> tuple[Any, Any]:
         """The training model (base + adapters of the bound config) and its kind, loaded once."""
         bound = self.bound
         if bound is None:

@@ -6,7 +6,7 @@ Each limit is optional; a Policy() with no arguments checks only memory (a step 
 - max_temp_c: train only while the hottest sensor reads below this
 - min_free_bytes: train only while free memory minus the step's need is at least this (0: the step must
   fit; None: memory is not checked). The step's need is what the learner measured on its last steps, or,
-  before the first, edgetrain's estimate for the method (edgetrain.step_estimates); unknown before either.
+  before the first, edgetrain's estimate for the method (edgetrain.training.step_estimates); unknown before either.
 - require_idle: train only while the app has declared itself idle (Personaliser.set_idle(True))
 
 A reading that is unknown (no battery, no sensors, the app never declared idleness, no measurement of the

@@ -10,34 +10,19 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator, Protocol
 
-from edgetrain.logs import get_logger
 from edgetrain.personalise.errors import PersonaliseError, StoreBusyError
 from edgetrain.personalise.kinds import NotEnoughData
 from edgetrain.personalise.policy import Decision
-from edgetrain.personalise.window import Interrupted, Windows
-
-if TYPE_CHECKING:
-    from edgetrain.personalise.personaliser import Personaliser
+from edgetrain.personalise.run_result import RunResult
+from edgetrain.personalise.window import Interrupted, WindowOwner, Windows
+from edgetrain.utils.logs import get_logger
 
 log = get_logger("edgetrain.personalise.personaliser")  # the Personaliser's logger, as before the split
 
 LOCK = "run.lock"
-
-
-@dataclass
-class RunResult:
-    """What one run() did: steps taken, windows that reached the gate, versions promoted, and why it ended
-    ("stop", "max_steps", "max_seconds", "policy", "paused", "waiting")."""
-
-    steps: int = 0
-    windows: int = 0
-    promoted: list[int] = field(default_factory=list)
-    rejected: int = 0
-    reason: str = ""
 
 
 @contextmanager
@@ -68,10 +53,18 @@ def run_lock(directory: Path, blocking: bool = True) -> Iterator[bool]:
         handle.close()
 
 
+class RunOwner(WindowOwner, Protocol):
+    """What the run reads off the Personaliser besides what its windows read."""
+
+    policy: Any
+    sensors: Any
+    poll_seconds: float
+
+
 class Runner:
     """The run of `owner` (its store, policy, sensors and settings are read off the Personaliser)."""
 
-    def __init__(self, owner: Personaliser) -> None:
+    def __init__(self, owner: RunOwner) -> None:
         self.owner = owner
         self.windows = Windows(owner, self.interrupted)
         self.idle: bool | None = None
@@ -100,7 +93,7 @@ class Runner:
 
         def target() -> None:
             try:
-                self.owner.run(max_steps=max_steps, max_seconds=max_seconds, wait=True)
+                self.run(max_steps, max_seconds, wait=True)
             except BaseException as exc:  # noqa: BLE001 -- handed to the app by stop()/join()
                 self.error = exc
                 self.owner.events.emit("error", error=f"{type(exc).__name__}: {exc}")
@@ -159,7 +152,7 @@ class Runner:
         result = RunResult()
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         with run_lock(owner.directory):
-            owner._require_model()
+            owner.require_model()
             self.active = True
             try:
                 self.windows.clean_up()

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from edgetrain.atomic_files import fsync_directory
+from edgetrain.files.atomic import fsync_directory
 from edgetrain.personalise.errors import NothingToRollBackError, PersonaliseError
 from edgetrain.personalise.store import Store
 
@@ -211,7 +211,7 @@ class Versions:
     # -- files -------------------------------------------------------------------------------------------
     def verify(self, version: Version) -> None:
         """CorruptCheckpointError unless every safetensors file of the version passes its checksum."""
-        from edgetrain.checkpoint import CorruptCheckpointError, load_safetensors_checked, readable_directory
+        from edgetrain.training.checkpoint import CorruptCheckpointError, load_safetensors_checked, readable_directory
 
         path = self.path(version)
         files = [path] if path.is_file() else sorted(readable_directory(path).glob("*.safetensors"))

@@ -12,17 +12,14 @@ import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from edgetrain.personalise.errors import BadExampleError
 from edgetrain.personalise.examples import example_from_body, is_held_out
 from edgetrain.personalise.kinds import NotEnoughData, gate, write_snapshot
+from edgetrain.personalise.run_result import RunResult
 from edgetrain.personalise.store import Store
 from edgetrain.registry import EdgetrainError
-
-if TYPE_CHECKING:
-    from edgetrain.personalise.personaliser import Personaliser
-    from edgetrain.personalise.runner import RunResult
 
 WINDOW = "window"
 
@@ -50,11 +47,35 @@ def discard_window_files(directory: Path, store: Store) -> None:
     store.set_meta("window", None)
 
 
+class WindowOwner(Protocol):
+    """What the windows read off the Personaliser that owns them: its store and its settings."""
+
+    directory: Path
+    store: Store
+    versions: Any
+    events: Any
+    backend_name: str
+    optimizer: str
+    lr: float | None
+    seed: int
+    batch_size: int
+    seq_len: int
+    window_steps: int
+    checkpoint_every: int
+    keep_versions: int
+    margin: float
+    memory_budget: Any
+
+    @property
+    def bound(self) -> dict[str, Any] | None: ...
+    def require_model(self) -> tuple[Any, Any]: ...
+
+
 class Windows:
     """The windows `owner` trains, with the settings it has when each is opened (read off the Personaliser).
     `interrupted` says whether pause() or stop() arrived: an evaluation then raises Interrupted."""
 
-    def __init__(self, owner: Personaliser, interrupted: Callable[[], bool]) -> None:
+    def __init__(self, owner: WindowOwner, interrupted: Callable[[], bool]) -> None:
         self.owner = owner
         self.interrupted = interrupted
         self.current: Window | None = None
@@ -91,10 +112,10 @@ class Windows:
             self.discard_files()
 
     def learner(self, state: dict[str, Any]) -> Any:
-        from edgetrain.learner import Learner
+        from edgetrain.training.learner import Learner
 
         owner = self.owner
-        model, trainer = owner._require_model()
+        model, trainer = owner.require_model()
         lr = state["lr"]
         # Steps are measured (a memory probe costs time every step) only for the budget guard; the memory
         # policy otherwise uses edgetrain's estimate of the step (decoders).
@@ -104,7 +125,7 @@ class Windows:
 
     def load_start(self, start: int | None) -> None:
         owner = self.owner
-        model, trainer = owner._require_model()
+        model, trainer = owner.require_model()
         if start is None:
             trainer.load(model, owner.directory / owner.bound["base"])
         else:
@@ -130,7 +151,7 @@ class Windows:
                 owner.events.emit("window_abandoned", window=recorded.get("number"), reason=str(exc))
                 self.current = None
                 self.discard_files()
-        model, trainer = owner._require_model()
+        model, trainer = owner.require_model()
         with owner.store.reading() as connection:
             generation = owner.versions.generation(connection)
             start = owner.versions.start(connection)
@@ -185,7 +206,7 @@ class Windows:
                           reference=state["reference"])
 
     def build(self, state: dict[str, Any]) -> Window:
-        model, trainer = self.owner._require_model()
+        model, trainer = self.owner.require_model()
         directory = self.directory
         batches = trainer.train_batches(model, directory / "train.jsonl", state["batch_size"], state["seed"])
         eval_batches = trainer.eval_batches(model, directory / "held_out.jsonl")
@@ -233,7 +254,7 @@ class Windows:
         return value
 
     def evaluate(self, window: Window) -> float:
-        _, trainer = self.owner._require_model()
+        _, trainer = self.owner.require_model()
 
         def batches() -> Iterator[Any]:
             for batch in window.eval_batches:
@@ -281,7 +302,7 @@ class Windows:
 
     def gate(self, window: Window, result: RunResult) -> None:
         owner = self.owner
-        model, trainer = owner._require_model()
+        model, trainer = owner.require_model()
         state = window.state
         value = self.evaluate(window)
         reference = state["reference"]

@@ -140,7 +140,7 @@ class LinuxProbe:
 
     def file_backed_bytes(self) -> int | None:
         """Resident pages mapped from files (`RssFile`, Linux >= 4.5): library code and memory-mapped
-        weights, which a step maps in but does not allocate (edgetrain/step_memory.py subtracts their
+        weights, which a step maps in but does not allocate (edgetrain/training/step_memory.py subtracts their
         growth). None where the kernel does not say."""
         try:
             return _read_kb_field(self.proc_dir / "status", "RssFile")

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from edgetrain.progress import progress_bar
 from edgetrain.registry import EdgetrainError
+from edgetrain.utils.progress import progress_bar
 
 # One measurement of one arm: metric name -> value (seconds, bytes, ...); None where not measured.
 Sample = Mapping[str, float | None]
@@ -129,7 +129,7 @@ def format_table(title: str, summaries: Mapping[str, Mapping[str, Summary]], bas
 def write_json(path: str | Path, summaries: Mapping[str, Mapping[str, Summary]], baseline: str,
                samples: Mapping[str, Sequence[Sample]] | None = None, **context: Any) -> Path:
     """Summaries, ratios, the raw samples and whatever context (machine, settings) as one JSON file."""
-    from edgetrain.checkpoint import atomic_write_json
+    from edgetrain.training.checkpoint import atomic_write_json
 
     payload = {"baseline": baseline, "context": context,
                "summaries": {arm: {m: asdict(s) for m, s in by.items()} for arm, by in summaries.items()},

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edgetrain.checkpoint import atomic_write_bytes
 from edgetrain.profiler.config import RECORD_FIELDS
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.checkpoint import atomic_write_bytes
 
 MIB = 2**20
 
@@ -54,7 +54,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
             + (f"BLAS: {first['blas']}\n" if first.get("blas") else f"{first.get('torch_threads', '?')} threads\n")
             + f"peak = training memory above the pre-step baseline (weights excluded); footprint = what the "
             f"process holds above the framework's runtime (weights included) plus that peak; estimate = "
-            f"edgetrain's analytic step memory (edgetrain/step_estimates.py), probe/est its ratio to the peak\n"
+            f"edgetrain's analytic step memory (edgetrain/training/step_estimates.py), probe/est its ratio to the peak\n"
             f"probe: {first.get('probe', '-')} (OS/allocator), tensors: live tensor storages; "
             f"ratios are to {first['method']}"
             + _gradient_reference_line(records))

@@ -58,7 +58,7 @@ def gradient_fidelity(model, method: str, batch, options: dict[str, Any]) -> dic
     is the least exact of the methods on SmolLM2-135M (fp32 mesp within 1.1e-5 of fp64, fp32 bp further)
     --, so an fp32 reference blamed the more exact method for bp's error. Against fp64, every method's
     error is its own, bp's included. The copy normalises and takes the loss in fp64 too
-    (edgetrain.precision), so it is an fp64 computation throughout."""
+    (edgetrain.training.precision), so it is an fp64 computation throughout."""
     import copy
 
     import torch
@@ -115,9 +115,9 @@ def profile_torch_method(config) -> dict[str, Any]:
     first = learner.step(batch)
     for _ in range(config.warmup - 1):
         learner.step(batch)
-    # Read as a step's own baseline is read (edgetrain.step_memory): after the allocator's free memory
+    # Read as a step's own baseline is read (edgetrain.training.step_memory): after the allocator's free memory
     # went back to the kernel, so that free heap is not counted here and again in the step's peak.
-    from edgetrain.step_memory import release_before_step
+    from edgetrain.training.step_memory import release_before_step
 
     release_before_step()
     resident_before_steps = _resident_bytes(learner.probe) if learner.probe is not None else None
@@ -138,7 +138,7 @@ def profile_torch_method(config) -> dict[str, Any]:
                                                  record["peak_bytes_probe"]) else \
         resident_before_steps - runtime_baseline + record["peak_bytes_probe"]
     record["runtime_baseline_bytes"] = runtime_baseline
-    from edgetrain.step_estimates import estimate_step_bytes
+    from edgetrain.training.step_estimates import estimate_step_bytes
 
     record["estimate_bytes"] = estimate_step_bytes(model, batch, config.method, config.method_options)
 
@@ -162,12 +162,12 @@ def _runtime_baseline_bytes(probe_name: str) -> int | None:
     of Python objects). The footprint is counted from here."""
     import torch
 
-    import edgetrain.learner  # noqa: F401
-    import edgetrain.step_estimates  # noqa: F401
+    import edgetrain.training.learner  # noqa: F401
+    import edgetrain.training.step_estimates  # noqa: F401
     from edgetrain.probes import PROBES
 
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    from edgetrain.step_memory import release_before_step
+    from edgetrain.training.step_memory import release_before_step
 
     probe = PROBES.get(probe_name)()
     release_before_step()
@@ -177,7 +177,7 @@ def _runtime_baseline_bytes(probe_name: str) -> int | None:
 def _resident_bytes(probe) -> int:
     """What the probe reads now, less file-backed pages where it can tell them apart: library code the
     first kernels map in (tens of MiB) is shared and the kernel's to drop, not the training's footprint."""
-    from edgetrain.step_memory import file_backed_bytes
+    from edgetrain.training.step_memory import file_backed_bytes
 
     file_bytes = file_backed_bytes(probe)
     return probe.current_bytes() - (file_bytes or 0)

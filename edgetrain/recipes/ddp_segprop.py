@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                              **json.loads(args.method_options))
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0 and args.out:
-        from edgetrain.checkpoint import atomic_save_safetensors, atomic_write_json
+        from edgetrain.training.checkpoint import atomic_save_safetensors, atomic_write_json
 
         out = Path(args.out)
         atomic_save_safetensors(dict(result.model.state_dict()), out)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   "stages": [{"stage": s.stage, "name": s.name, "steps": s.steps, "mean_loss": s.mean_loss}
                              for s in result.stages]}
         atomic_write_json(report, out.with_suffix(".json"))
-    from edgetrain.logs import configure_cli_logging, get_logger
+    from edgetrain.utils.logs import configure_cli_logging, get_logger
 
     configure_cli_logging()
     get_logger(__name__).info("rank %d/%d: %d steps in %.1f s", rank, world, result.steps, result.seconds)

@@ -169,9 +169,9 @@ def _device(config: PipelineConfig, local_rank: int) -> torch.device:
 def run_worker(config: PipelineConfig) -> dict[str, Any] | None:
     """This process's part of the pipeline (torch.distributed initialised from the torchrun environment).
     Returns rank 0's report (None on the other ranks)."""
+    from edgetrain.backends.torch.optimizers import make_optimizer
     from edgetrain.data.validate import validate_batch
     from edgetrain.methods import METHODS
-    from edgetrain.optimizers import make_optimizer
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(config, local_rank)
@@ -280,14 +280,14 @@ def run_worker(config: PipelineConfig) -> dict[str, Any] | None:
               "samples_per_second": config.steps * config.batch_size / seconds if seconds > 0 else None,
               "workers": [worker for worker, _ in everyone]}
     if config.save:
-        from edgetrain.checkpoint import atomic_save_safetensors
+        from edgetrain.training.checkpoint import atomic_save_safetensors
 
         tensors = {}
         for _, part in everyone:
             tensors.update(part)
         atomic_save_safetensors(tensors, config.save, {"split": method.split, "steps": str(config.steps)})
     if config.report:
-        from edgetrain.checkpoint import atomic_write_json
+        from edgetrain.training.checkpoint import atomic_write_json
 
         atomic_write_json(report, config.report)
     return report

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
-from edgetrain.logs import get_logger
-from edgetrain.losses import task_loss
-from edgetrain.progress import progress_bar
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import task_loss
+from edgetrain.utils.logs import get_logger
+from edgetrain.utils.progress import progress_bar
 
 log = get_logger(__name__)
 
@@ -103,7 +103,7 @@ def run_schedule(model: nn.Module, stream: Any, method: str = "segprop", *, epoc
     the stage's training path and through the plain model; `result.final` is the plain model after
     `finish()` (adapters gone). Method options (head_blocks, segments, snapcheck, ...) pass through.
     """
-    from edgetrain.learner import Learner
+    from edgetrain.training.learner import Learner
 
     staged = method in STAGED_METHODS
     per_epoch = getattr(stream, "batches_per_epoch", None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain.checkpoint import load_safetensors_checked
+from edgetrain.training.checkpoint import load_safetensors_checked
 from edgetrain.data import make_stream
 from edgetrain.recipes.scpl_pipeline import PipelineConfig, launch
 from edgetrain.models import load_model

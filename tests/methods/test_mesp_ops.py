@@ -13,7 +13,7 @@ from torch.autograd import gradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from edgetrain.losses import lm_loss
+from edgetrain.training.losses import lm_loss
 from edgetrain.methods.mesp.loss import chunked_lm_loss
 from edgetrain.methods.mesp.ops import (LinearWeights, LoRAGradients, causal_attention_backward,
                                         causal_attention_forward, linear_group_backward, linear_group_forward,

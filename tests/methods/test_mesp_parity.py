@@ -86,7 +86,7 @@ def test_block_forward_and_backward_match_autograd_on_the_module_in_float64(stor
         out = block_forward(weights, x.detach(), rope, attention_chunk=4, mlp_chunk=6)
         grad_x, grads = block_backward(weights, x.detach(), grad_out, rope, attention_chunk=4, mlp_chunk=6,
                                        store_lora_projection=store)
-    # The model's RMSNorm and mesp's both normalise in float64 for a float64 model (edgetrain.precision).
+    # The model's RMSNorm and mesp's both normalise in float64 for a float64 model (edgetrain.training.precision).
     expected = {"output": reference.detach(), "input grad": x.grad}
     expected.update({name: p.grad for name, p in block.named_parameters() if p.requires_grad})
     assert set(grads) == set(expected) - {"output", "input grad"} == set(weights.lora_parameter_names())

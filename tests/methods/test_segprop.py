@@ -187,7 +187,7 @@ def test_finished_model_has_no_adapters_and_runs_the_assembled_blocks():
 def test_learner_finish_drops_the_adapters_from_its_parameters_and_checkpoints(tmp_path):
     """The Learner path (no run_schedule): learner.finish() ends the method and forgets what the model
     no longer holds, so a checkpoint written afterwards has no adapter tensors."""
-    from edgetrain.checkpoint import load_safetensors_checked
+    from edgetrain.training.checkpoint import load_safetensors_checked
 
     model = digits_resnet()
     learner = edgetrain.Learner(model, method="segprop", optimizer="adamw", lr=1e-3, probe=False,

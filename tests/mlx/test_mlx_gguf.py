@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 import edgetrain  # noqa: E402
 from edgetrain.backends.mlx.gguf import load_gguf_mlx  # noqa: E402
 from edgetrain.models.gguf.packed import pack_blocks  # noqa: E402
-from edgetrain.backends.mlx.learner import MLXLearner  # noqa: E402
+from edgetrain.training.learner import Learner  # noqa: E402
 from edgetrain.backends.mlx.lora import add_lora  # noqa: E402
 from edgetrain.backends.mlx.methods import MLX_METHODS  # noqa: E402
 from edgetrain.backends.mlx.model import MLXDecoder  # noqa: E402
@@ -287,7 +287,7 @@ def test_mesp_gives_bp_gradients_on_a_quantised_gguf_base(mixed_file):
 def test_a_mesp_step_changes_only_the_lora_weights(mixed_file):
     model = _with_lora(mixed_file)
     before = {name: np.array(value) for name, value in tree_flatten(model.parameters())}
-    stats = MLXLearner(model, method="mesp", optimizer="adamw", lr=1e-2).step(_text_batch())
+    stats = Learner(model, backend="mlx", method="mesp", optimizer="adamw", lr=1e-2).step(_text_batch())
     assert np.isfinite(stats.loss)
     after = {name: np.array(value) for name, value in tree_flatten(model.parameters())}
     assert set(after) == set(before)

@@ -1,4 +1,4 @@
-"""MLXLearner: the torch Learner's interface on MLX -- steps with StepStats, gradients, evaluation,
+"""Learner(model, backend="mlx"): the one Learner over the MLX engine -- steps with StepStats, gradients, evaluation,
 atomic checkpoints that resume exactly, fit over a text stream, memory budget, backend registry."""
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install e
 
 import edgetrain.backends.mlx  # noqa: E402,F401  (registers the backend)
 from edgetrain.backends.base import BACKENDS  # noqa: E402
-from edgetrain.backends.mlx.learner import MLXLearner  # noqa: E402
 from edgetrain.backends.mlx.loading import load_mlx_model  # noqa: E402
 from edgetrain.backends.mlx.lora import add_lora, trainable_parameters  # noqa: E402
 from edgetrain.data.text import TextStream  # noqa: E402
-from edgetrain.learner import MemoryBudgetError, StepStats  # noqa: E402
 from edgetrain.methods.base import TrainingError  # noqa: E402
+from edgetrain.training.learner import (  # noqa: E402
+    Learner,  # noqa: E402
+    MemoryBudgetError,
+    StepStats,
+)
 
 
 def tiny_model(rank: int = 4):
@@ -36,7 +39,7 @@ def test_backend_is_registered_as_mlx():
 
 @pytest.mark.parametrize("method", ["bp", "mebp", "mezo", "mesp"])
 def test_step_reports_stats_with_mlx_memory(method):
-    learner = MLXLearner(tiny_model(), method=method, optimizer="adamw", lr=1e-3)
+    learner = Learner(tiny_model(), backend="mlx", method=method, optimizer="adamw", lr=1e-3)
     stats = learner.step(stream().batch(0))
     assert isinstance(stats, StepStats) and stats.step == 1 and stats.probe == "mlx"
     assert np.isfinite(stats.loss) and stats.tokens == 64 and stats.peak_bytes > 0
@@ -46,35 +49,35 @@ def test_step_reports_stats_with_mlx_memory(method):
 
 
 def test_checkpoint_resumes_exactly(tmp_path):
-    first = MLXLearner(tiny_model(), method="mesp", optimizer="adam", lr=1e-2,
+    first = Learner(tiny_model(), backend="mlx", method="mesp", optimizer="adam", lr=1e-2,
                        method_options={"fused_update": True})
     for index in range(3):
         first.step(stream().batch(index))
     path = first.save(tmp_path / "ckpt.safetensors")
     expected = [first.step(stream().batch(index)).loss for index in (3, 4)]
 
-    second = MLXLearner(tiny_model(), method="mesp", optimizer="adam", lr=1e-2,
+    second = Learner(tiny_model(), backend="mlx", method="mesp", optimizer="adam", lr=1e-2,
                         method_options={"fused_update": True}).load(path)
     assert second.steps_done == 3 and second.stream_position == 3
     resumed = [second.step(stream().batch(index)).loss for index in (3, 4)]
     np.testing.assert_allclose(resumed, expected, rtol=1e-6)
     with pytest.raises(Exception, match="method"):
-        MLXLearner(tiny_model(), method="bp").load(path)
+        Learner(tiny_model(), backend="mlx", method="bp").load(path)
 
 
 def test_fit_checkpoints_and_resume(tmp_path):
-    learner = MLXLearner(tiny_model(), method="bp", optimizer="adamw", lr=1e-2)
+    learner = Learner(tiny_model(), backend="mlx", method="bp", optimizer="adamw", lr=1e-2)
     history = learner.fit(stream(), max_steps=4, checkpoint_every=2, checkpoint_dir=tmp_path,
                           eval_every=4, eval_batches=lambda: [stream().batch(100)], progress=False)
     assert [s.step for s in history] == [1, 2, 3, 4]
-    again = MLXLearner(tiny_model(), method="bp", optimizer="adamw", lr=1e-2)
+    again = Learner(tiny_model(), backend="mlx", method="bp", optimizer="adamw", lr=1e-2)
     assert again.resume(tmp_path).name == "step-00000004.safetensors" and again.steps_done == 4
     metrics = again.evaluate([stream().batch(100)])
     assert metrics["perplexity"] == pytest.approx(np.exp(metrics["loss"]))
 
 
 def test_non_finite_gradient_keeps_the_last_good_weights():
-    learner = MLXLearner(tiny_model(), method="mesp", optimizer="sgd", lr=1.0,
+    learner = Learner(tiny_model(), backend="mlx", method="mesp", optimizer="sgd", lr=1.0,
                          method_options={"fused_update": True})
     learner.step(stream().batch(0))
     good = {n: np.array(p) for n, p in trainable_parameters(learner.model).items()}
@@ -96,7 +99,7 @@ def test_non_finite_gradient_keeps_the_last_good_weights():
 @pytest.mark.parametrize("method, optimizer", [("bp", "adam"), ("mezo", "sgd"), ("mesp", "adamw")])
 def test_the_budget_guards_measured_slices_leave_no_trace_when_the_step_fits(method, optimizer):
     def run(memory_budget):
-        learner = MLXLearner(tiny_model(), method=method, optimizer=optimizer, lr=1e-2, memory_budget=memory_budget,
+        learner = Learner(tiny_model(), backend="mlx", method=method, optimizer=optimizer, lr=1e-2, memory_budget=memory_budget,
                              lr_schedule="linear-warmup", schedule_options={"warmup_steps": 3})
         losses = [learner.step(stream(seq=64).batch(index)).loss for index in range(3)]
         return learner, losses
@@ -109,7 +112,7 @@ def test_the_budget_guards_measured_slices_leave_no_trace_when_the_step_fits(met
 
 
 def test_memory_budget_falls_back_then_refuses():
-    learner = MLXLearner(tiny_model(), method="bp", memory_budget=1, fallback_methods=["mesp"])
+    learner = Learner(tiny_model(), backend="mlx", method="bp", memory_budget=1, fallback_methods=["mesp"])
     with pytest.raises(MemoryBudgetError, match="bp: .*mesp: "):
         learner.step(stream().batch(0))
     assert learner.steps_done == 0

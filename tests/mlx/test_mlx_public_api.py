@@ -1,5 +1,5 @@
 """The MLX backend through edgetrain's public API: the "mlx" backend is registered by `import
-edgetrain` without importing mlx, edgetrain.Learner(model, backend="mlx") is an MLXLearner,
+edgetrain` without importing mlx, edgetrain.Learner(model, backend="mlx") runs the one Learner over the MLX engine,
 edgetrain.load_model(..., backend="mlx") gives the MLX decoder, `edgetrain profile --backend mlx`
 profiles MLX methods (4-bit base too)."""
 from __future__ import annotations
@@ -41,7 +41,6 @@ def test_without_mlx_the_backend_says_why(monkeypatch):
 def test_load_model_and_learner_dispatch_to_mlx():
     import mlx.core as mx
 
-    from edgetrain.backends.mlx.learner import MLXLearner
     from edgetrain.backends.mlx.lora import add_lora
     from edgetrain.backends.mlx.model import MLXDecoder
     from edgetrain.data.text import TextStream
@@ -51,15 +50,15 @@ def test_load_model_and_learner_dispatch_to_mlx():
     add_lora(model, rank=4)
     learner = edgetrain.Learner(model, backend="mlx", method="mesp", optimizer="adamw", lr=1e-2,
                                 method_options={"fused_update": True})
-    assert type(learner) is MLXLearner and isinstance(learner, edgetrain.Learner)
+    assert type(learner) is edgetrain.Learner and learner.engine.framework == "mlx"
     stream = TextStream(seq_len=32, batch_size=2)
     history = learner.fit(stream, max_steps=3, progress=False)
     assert [s.step for s in history] == [1, 2, 3] and all(np.isfinite(s.loss) for s in history)
     assert history[0].probe == "mlx" and history[0].peak_bytes > 0
-    # Positional arguments reach the same dispatch (model, method, backend).
-    assert type(edgetrain.Learner(model, "bp", "mlx")) is MLXLearner
-    # A torch backend still gets the torch Learner.
-    assert type(edgetrain.Learner(edgetrain.load_model("tiny"), method="bp")) is edgetrain.Learner
+    # Positional arguments name the backend too (model, method, backend).
+    assert edgetrain.Learner(model, "bp", "mlx").engine.framework == "mlx"
+    # A torch backend runs the same Learner over the torch engine.
+    assert edgetrain.Learner(edgetrain.load_model("tiny"), method="bp").engine.framework == "torch"
     with pytest.raises(EdgetrainError, match="unknown MLX model"):
         edgetrain.load_model("resnet18", backend="mlx")
     assert edgetrain.load_model("tiny", backend="mlx", dtype="bfloat16").embed.embed_tokens.weight.dtype \
@@ -107,3 +106,22 @@ def test_load_model_quantises_an_mlx_decoders_base_on_load():
     assert losses[-1] < losses[0]
     with pytest.raises(edgetrain.EdgetrainError, match="bits must be one of 2, 3, 4, 6, 8"):
         edgetrain.load_model("tiny", backend="mlx", quantize_bits=5)
+
+
+@requires_mlx
+def test_a_model_of_another_framework_is_refused_by_name():
+    mlx_model = edgetrain.load_model("tiny", backend="mlx")
+    with pytest.raises(EdgetrainError, match="backend 'torch-cpu' runs torch models; this MLXDecoder is a mlx model"):
+        edgetrain.Learner(mlx_model, method="bp")
+    with pytest.raises(EdgetrainError, match="backend 'mlx' runs mlx models; this LlamaModel is a torch model"):
+        edgetrain.Learner(edgetrain.load_model("tiny"), method="bp", backend="mlx")
+
+
+@requires_mlx
+def test_mlx_learner_is_a_deprecated_name_for_the_learner():
+    from edgetrain.backends.mlx.learner import MLXLearner
+
+    model = edgetrain.load_model("tiny", backend="mlx")
+    with pytest.warns(DeprecationWarning, match="use edgetrain.Learner"):
+        learner = MLXLearner(model, method="bp", optimizer="sgd", lr=1e-3)
+    assert type(learner) is edgetrain.Learner and learner.backend.name == "mlx"

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain.checkpoint import CorruptCheckpointError
 from edgetrain.models.lora import LoraConfig, lora_layers, lora_state_dict
+from edgetrain.training.checkpoint import CorruptCheckpointError
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -7,7 +7,6 @@ from typing import Callable
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -18,7 +17,6 @@ import edgetrain.models.mobilenet  # noqa: F401
 import edgetrain.models.resnet  # noqa: F401
 import edgetrain.models.text_transformer  # noqa: F401
 import edgetrain.models.vit  # noqa: F401
-from edgetrain.losses import task_loss
 from edgetrain.models.convnet import ConvNetConfig, build_convnet
 from edgetrain.models.llama import ConfigError
 from edgetrain.models.lstm import LSTMBlock, LSTMConfig, build_lstm
@@ -29,6 +27,7 @@ from edgetrain.models.text_transformer import TextTransformerConfig, build_text_
 from edgetrain.models.vit import ViTConfig, attention
 from edgetrain.models.zoo import MODEL_PRESETS, run_blocks
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import task_loss
 
 BATCH = 2
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.data.batch import Batch
-from edgetrain.losses import task_loss
+from edgetrain.training.losses import task_loss
 from edgetrain.methods import METHODS
 from float64_mlp import feature_batches, mlp_float64
 

@@ -11,7 +11,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 import edgetrain
-from edgetrain.losses import task_loss
+from edgetrain.training.losses import task_loss
 from edgetrain.methods.base import NonFiniteError
 from edgetrain.methods.fgd import ForwardGradient
 from edgetrain.methods.tangents import TangentKey, draw_tangent

@@ -219,8 +219,8 @@ def test_scpl_steps_hold_no_copy_of_the_weights(monkeypatch):
     learner = edgetrain.Learner(three_components(), method="scpl", optimizer="adam", lr=1e-3, probe=False,
                                 method_options=SMALL_HEAD)
     taken = []
-    snapshot = learner._snapshot
-    monkeypatch.setattr(learner, "_snapshot", lambda: taken.append(1) or snapshot())
+    snapshot = learner.snapshot
+    monkeypatch.setattr(learner, "snapshot", lambda: taken.append(1) or snapshot())
     for batch in feature_batches(2):
         learner.step(batch)
     assert taken == []

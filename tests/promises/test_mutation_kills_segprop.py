@@ -48,7 +48,7 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def stage0_gradient(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
     """d(stage-0 loss)/d(blocks.0, adapter 0, blocks.3, head), on a copy: embed -> blocks.0 -> adapter ->
-    blocks.3 -> head, the task loss in the model's precision (float64 here) as in edgetrain/losses.py."""
+    blocks.3 -> head, the task loss in the model's precision (float64 here) as in edgetrain/training/losses.py."""
     reference = copy.deepcopy(model)
     for param in reference.parameters():
         param.requires_grad_(True)

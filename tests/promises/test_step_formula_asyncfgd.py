@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LR = 0.1
 SEED = 5
 K = 2
-# dL/dv leaves the task loss (edgetrain/losses.py) as a float64 number for this float64 model.
+# dL/dv leaves the task loss (edgetrain/training/losses.py) as a float64 number for this float64 model.
 RTOL = 1e-10
 
 

@@ -57,7 +57,7 @@ def autograd_gradient(model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]
     reference = copy.deepcopy(model)
     params = {name: p for name, p in reference.named_parameters() if p.requires_grad}
     # edgetrain's task losses are cross-entropies computed in float32, and in float64 for a float64 model
-    # (edgetrain/losses.py, edgetrain.precision); the same here, so that the comparison can be exact.
+    # (edgetrain/training/losses.py, edgetrain.training.precision); the same here, so that the comparison can be exact.
     logits = reference(batch.inputs)
     if getattr(reference, "task", "classify") == "lm":
         loss = F.cross_entropy(logits.flatten(0, -2), batch.targets.flatten(), ignore_index=-100)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LR = 0.05
 SEED = 3
 # The directional derivative dL/dv comes out of the task loss, float64 for this float64 model
-# (edgetrain/losses.py): the update is exact to float64 rounding.
+# (edgetrain/training/losses.py): the update is exact to float64 rounding.
 RTOL = 1e-10
 
 

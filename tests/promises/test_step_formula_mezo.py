@@ -32,7 +32,7 @@ def directions(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
 
 
 def loss_at(model: nn.Module, weights: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor:
-    # The task loss is a cross-entropy in the model's precision, float64 here (edgetrain/losses.py).
+    # The task loss is a cross-entropy in the model's precision, float64 here (edgetrain/training/losses.py).
     return F.cross_entropy(functional_call(model, weights, (batch.inputs,)), batch.targets)
 
 

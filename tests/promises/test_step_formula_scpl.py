@@ -52,7 +52,7 @@ def local_gradients(model: nn.Module, batch: Batch) -> list[dict[str, torch.Tens
         for unit in units:
             r = unit(r)
         if local_head is None:
-            loss = F.cross_entropy(r, batch.targets)  # the task loss, float64 for float64 as in edgetrain/losses.py
+            loss = F.cross_entropy(r, batch.targets)  # the task loss, float64 for float64 as in edgetrain/training/losses.py
         else:
             loss = supcon_loss(local_head(r), batch.targets, temperature=TEMPERATURE)
         own = [p for module in [*units, local_head] if module is not None for p in module.parameters()]

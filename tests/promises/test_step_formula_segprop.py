@@ -51,7 +51,7 @@ def stage_gradient(model: nn.Module, stage: int, batch: Batch) -> dict[str, torc
         h = module(h)
     trained = {id(p) for module in path for p in module.parameters()}
     params = {name: p for name, p in reference.named_parameters() if id(p) in trained}
-    loss = F.cross_entropy(h, batch.targets)  # the task loss, float64 for float64 as in edgetrain/losses.py
+    loss = F.cross_entropy(h, batch.targets)  # the task loss, float64 for float64 as in edgetrain/training/losses.py
     return dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
 
 

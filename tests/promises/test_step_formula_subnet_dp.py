@@ -48,7 +48,7 @@ def subnetwork_gradient(model: nn.Module, mask: dict[str, torch.Tensor], inputs:
     """d/d(theta) of the shard's loss through theta_i = m_i * theta (zero outside m_i by the chain rule)."""
     theta = {name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()}
     masked = {name: theta[name] * mask[name] for name in theta}
-    # The task loss is a cross-entropy in the model's precision, float64 here (edgetrain/losses.py).
+    # The task loss is a cross-entropy in the model's precision, float64 here (edgetrain/training/losses.py).
     loss = F.cross_entropy(functional_call(model, masked, (inputs,)), targets)
     return dict(zip(theta, torch.autograd.grad(loss, list(theta.values()))))
 

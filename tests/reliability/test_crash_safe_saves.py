@@ -39,10 +39,10 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain.checkpoint import (CorruptCheckpointError, LEGACY_CHECKSUM_KEY, atomic_save_safetensors,
+from edgetrain.training.checkpoint import (CorruptCheckpointError, LEGACY_CHECKSUM_KEY, atomic_save_safetensors,
                                   load_safetensors_checked, readable_directory, tensors_sha256)
 from edgetrain.data.batch import Batch
-from edgetrain.learner import Learner
+from edgetrain.training.learner import Learner
 from fault_tally import checked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,10 +103,10 @@ def _mlx_lora(seed: int):
 
 
 def _mlx_learner(seed: int):
-    from edgetrain.backends.mlx.learner import MLXLearner
+    from edgetrain.training.learner import Learner
     from edgetrain.data.text import TextStream
 
-    learner = MLXLearner(_mlx_lora(seed), method="bp", optimizer="adamw", lr=1e-2)
+    learner = Learner(_mlx_lora(seed), backend="mlx", method="bp", optimizer="adamw", lr=1e-2)
     learner.step(TextStream(seq_len=8, batch_size=1).batch(seed))
     return learner
 
@@ -563,7 +563,7 @@ def test_a_save_killed_mid_write_keeps_the_previous_one(name, fault, first_save,
 
 def test_a_directory_save_keeps_files_it_does_not_write(tmp_path):
     """Swapping in a new directory must not drop a user's other files in it (mlx-lm's own checkpoints)."""
-    from edgetrain.checkpoint import atomic_write_directory
+    from edgetrain.training.checkpoint import atomic_write_directory
 
     out = tmp_path / "adapters"
     out.mkdir()

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import edgetrain
-from edgetrain.checkpoint import atomic_save_safetensors, load_safetensors_checked
+from edgetrain.training.checkpoint import atomic_save_safetensors, load_safetensors_checked
 from edgetrain.models.llama import LlamaModel
 from fault_tally import attempt, fuzz_settings, refused
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import edgetrain
-from edgetrain.checkpoint import atomic_save_safetensors
+from edgetrain.training.checkpoint import atomic_save_safetensors
 from edgetrain.models.lora import LoraConfig, lora_layers, lora_state_dict
 from fault_tally import attempt, fuzz_settings, refused
 
@@ -51,7 +51,7 @@ def _unchanged(model, snapshot) -> bool:
 
 def _rewrite(path, tensors=None, config=None, raw_config: str | None = None):
     """Write an adapter file with a valid checksum around hostile contents (a crafted file, not a flip)."""
-    from edgetrain.checkpoint import load_safetensors_checked
+    from edgetrain.training.checkpoint import load_safetensors_checked
 
     old_tensors, metadata = load_safetensors_checked(path)
     tensors = old_tensors if tensors is None else tensors

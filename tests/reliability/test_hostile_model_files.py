@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import edgetrain
-from edgetrain.user_files import MAX_JSON_BYTES
+from edgetrain.files.user import MAX_JSON_BYTES
 from fault_tally import attempt, record, refused
 
 FAULT = "hostile model files"

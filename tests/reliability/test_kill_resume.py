@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from edgetrain.checkpoint import load_latest_good
+from edgetrain.training.checkpoint import load_latest_good
 from edgetrain.methods import METHODS
 from fault_tally import checked
 

@@ -1,6 +1,6 @@
 """Fault class 6, the budget guard: a first step far over the memory budget is refused on a slice of the
 batch, before the whole batch allocates anything; and the slices it measures leave no trace in a run
-whose step fits (edgetrain/memory_estimate.py)."""
+whose step fits (edgetrain/training/memory_estimate.py)."""
 from __future__ import annotations
 
 import re
@@ -10,8 +10,8 @@ import torch
 
 import edgetrain
 from edgetrain.data.batch import Batch
-from edgetrain.learner import MemoryBudgetError
-from edgetrain.memory_estimate import batch_slices
+from edgetrain.training.learner import MemoryBudgetError
+from edgetrain.training.memory_estimate import batch_slices
 from edgetrain.probes import TensorAccountant
 from fault_tally import refused
 

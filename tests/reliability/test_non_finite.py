@@ -23,8 +23,8 @@ from torch import nn
 
 import edgetrain
 from edgetrain.data.batch import Batch
-from edgetrain.checkpoint import load_safetensors_checked
-from edgetrain.learner import TrainingError
+from edgetrain.training.checkpoint import load_safetensors_checked
+from edgetrain.training.learner import TrainingError
 from edgetrain.models.mlp import MLPConfig, build_mlp
 from edgetrain.registry import EdgetrainError
 

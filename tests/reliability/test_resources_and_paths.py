@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain.checkpoint import (atomic_save_safetensors, load_safetensors_checked, rotating_checkpoint_paths,
+from edgetrain.training.checkpoint import (atomic_save_safetensors, load_safetensors_checked, rotating_checkpoint_paths,
                                   save_rotating)
 from edgetrain.data import make_stream
-from edgetrain.learner import parse_bytes
+from edgetrain.training.learner import parse_bytes
 from fault_tally import attempt, refused
 
 PATHS, RESUME = "resources and paths", "resume semantics"
@@ -214,14 +214,14 @@ def test_the_text_stream_keeps_one_byte_per_byte_of_text():
 
 def test_the_mlx_learner_refuses_resuming_on_other_data_too(tmp_path):
     pytest.importorskip("mlx.core", reason="mlx is not installed (pip install edgetrain[mlx])")
-    from edgetrain.backends.mlx.learner import MLXLearner
+    from edgetrain.training.learner import Learner
     from edgetrain.backends.mlx.loading import load_mlx_model
     from edgetrain.backends.mlx.lora import add_lora
 
-    def learner() -> MLXLearner:
+    def learner() -> Learner:
         model = load_mlx_model("tiny", seed=0)
         add_lora(model, rank=2)
-        return MLXLearner(model, method="bp", optimizer="sgd", lr=1e-3)
+        return Learner(model, backend="mlx", method="bp", optimizer="sgd", lr=1e-3)
 
     first = learner()
     first.fit(_stream(), max_steps=2, checkpoint_every=2, checkpoint_dir=tmp_path, progress=False)

@@ -101,17 +101,17 @@ def test_mlx_resumed_run_equals_the_uninterrupted_run(method, tmp_path):
     pytest.importorskip("mlx.core", reason="mlx is not installed (pip install edgetrain[mlx])")
     import numpy as np
 
-    from edgetrain.backends.mlx.learner import MLXLearner
     from edgetrain.backends.mlx.loading import load_mlx_model
     from edgetrain.backends.mlx.lora import add_lora
+    from edgetrain.training.learner import Learner
 
-    def learner() -> MLXLearner:
+    def learner() -> Learner:
         model = load_mlx_model("tiny", seed=0)
         add_lora(model, rank=4, dropout=0.1 if method == "bp" else 0.0)  # mesp refuses dropout
-        return MLXLearner(model, method=method, optimizer="sgd" if method == "mezo" else "adamw", lr=3e-3,
+        return Learner(model, backend="mlx", method=method, optimizer="sgd" if method == "mezo" else "adamw", lr=3e-3,
                           method_options={"seed": 3} if method == "mezo" else {}, **SCHEDULE)
 
-    def run(target: MLXLearner, steps: int, start: int) -> list[tuple[int, float, float]]:
+    def run(target: Learner, steps: int, start: int) -> list[tuple[int, float, float]]:
         return [(b.index, (stats := target.step(b)).loss, stats.lr) for _, b in zip(range(steps), _stream(start))]
 
     straight = learner()

@@ -23,9 +23,9 @@ import numpy as np
 from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import (add_lora, linear_shape, lora_layers, resolve_path, set_parameters,
                                          trainable_parameters)
-from edgetrain.checkpoint import atomic_save_safetensors, atomic_write_directory, readable_directory
+from edgetrain.training.checkpoint import atomic_save_safetensors, atomic_write_directory, readable_directory
 from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig, read_lora_file, write_lora_file
-from edgetrain.user_files import read_json_object, require_regular_file
+from edgetrain.files.user import read_json_object, require_regular_file
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -1,4 +1,4 @@
-"""MLXEngine: the Learner's tensor work for MLX decoders (edgetrain.engines says what an engine is).
+"""MLXEngine: the Learner's tensor work for MLX decoders (edgetrain.training.engine says what an engine is).
 
 Batches are edgetrain Batches (torch tensors, as every stream yields); they are validated as for torch and
 converted to MLX arrays. Randomness (LoRA dropout) is a pure function of (seed, step): each step reseeds

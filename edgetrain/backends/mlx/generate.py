@@ -22,9 +22,9 @@ import torch
 from edgetrain.backends.mlx.learner import batch_arrays
 from edgetrain.backends.mlx.model import Attention, DecoderBlock, MLXDecoder, apply_rope, causal_attention
 from edgetrain.data.batch import Batch
-from edgetrain.losses import IGNORE_INDEX
 from edgetrain.models.generate import HeldOutLoss, check_prompt, check_sampling, continue_text, decode_loop
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import IGNORE_INDEX
 
 
 @dataclass

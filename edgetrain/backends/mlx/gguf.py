@@ -31,7 +31,7 @@ from edgetrain.backends.mlx.lora import resolve_path
 from edgetrain.backends.mlx.model import MLXDecoder
 from edgetrain.backends.mlx.quantize import BLOCK_LINEARS, ComputeMode, QuantizedLinear, default_compute_mode
 from edgetrain.backends.mlx.weights import assign_weights, parse_mlx_dtype
-from edgetrain.logs import get_logger
+from edgetrain.utils.logs import get_logger
 from edgetrain.models.gguf.config import config_from_metadata
 from edgetrain.models.gguf.loader import (attach_gguf_tokenizer, plan_tensors, read_values, rope_row_order,
                                           take_gguf_tokenizer)

@@ -19,7 +19,7 @@ from edgetrain.backends.mlx.model import MLXDecoder, hf_key_to_edgetrain
 from edgetrain.backends.mlx.quantize import DEFAULT_GROUP_SIZE, ComputeMode, quantize_block, quantize_model
 from edgetrain.backends.mlx.weights import assign_weights, parse_mlx_dtype
 from edgetrain.models.hf_checkpoint import CheckpointError, read_config, safetensors_files
-from edgetrain.user_files import require_regular_file
+from edgetrain.files.user import require_regular_file
 from edgetrain.models.llama import ConfigError, LlamaConfig
 from edgetrain.registry import EdgetrainError
 

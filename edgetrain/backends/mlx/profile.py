@@ -19,10 +19,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from edgetrain.backends.mlx.learner import MLXLearner, batch_arrays
+from edgetrain.backends.mlx.engine import batch_arrays
 from edgetrain.backends.mlx.loading import load_mlx_model
 from edgetrain.backends.mlx.lora import add_lora, set_parameters, trainable_parameters
 from edgetrain.backends.mlx.methods import MLX_METHODS
+from edgetrain.training.learner import Learner
 
 
 def blas_in_use() -> str:
@@ -117,7 +118,7 @@ def profile_method_mlx(config: Any, quantize_bits: int | None = None) -> dict[st
         record.update({"loss": None, "grad_cosine": None, "grad_max_rel_err": None})
     mx.clear_cache()
 
-    learner = MLXLearner(model, method=config.method, backend="mlx", optimizer="sgd", lr=1e-5,
+    learner = Learner(model, method=config.method, backend="mlx", optimizer="sgd", lr=1e-5,
                          method_options=config.method_options, probe="mlx", seed=config.seed)
     os_probe = _os_probe()
     _progress(f"[{config.method}] warm-up step")

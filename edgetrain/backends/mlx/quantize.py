@@ -11,7 +11,6 @@ Memory held between steps is the packed weight either way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import mlx.core as mx
@@ -24,12 +23,6 @@ DEFAULT_GROUP_SIZE = 64
 DEFAULT_BITS = 4
 # Weights dequantised per piece in "dequantize" mode (4 MB of fp32).
 DEQUANTIZE_PIECE_ELEMENTS = 1 << 20
-
-
-@dataclass(frozen=True)
-class QuantizationSpec:
-    bits: int = DEFAULT_BITS
-    group_size: int = DEFAULT_GROUP_SIZE
 
 
 def default_compute_mode() -> ComputeMode:
@@ -149,8 +142,6 @@ def quantize_model(model: nn.Module, bits: int = DEFAULT_BITS, group_size: int =
         raise EdgetrainError(f"quantisation bits must be one of 2, 3, 4, 6, 8; got {bits!r}")
     for block in model.blocks:
         quantize_block(block, group_size, bits, compute_mode)
-    # A dataclass, not a dict: an MLX Module would file a dict among its parameters.
-    model.quantization = QuantizationSpec(bits, group_size)
     return model
 
 

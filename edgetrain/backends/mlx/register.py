@@ -43,7 +43,6 @@ if "mlx" not in BACKENDS:
     BACKENDS.add("mlx", Backend(
         name="mlx", framework="mlx", device=expected_device(), synchronize=synchronize,
         availability=mlx_availability, probe=lambda: "mlx",
-        learner="edgetrain.backends.mlx.learner:MLXLearner",
         engine="edgetrain.backends.mlx.engine:MLXEngine",
         loader="edgetrain.backends.mlx.loading:load_mlx_for_backend",
         methods="edgetrain.backends.mlx.methods:MLX_METHODS",

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
-from edgetrain.losses import task_loss
+from edgetrain.training.losses import task_loss
 from edgetrain.methods.asyncfgd.schedule import InFlight, ReferenceScheduler, TimestampOutcome, non_finite_error
 from edgetrain.methods.asyncfgd.stages import build_stages, describe_split
 from edgetrain.methods.asyncfgd.workers import CudaStreamWorkers, ThreadWorkers

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from edgetrain.losses import IGNORE_INDEX
 from edgetrain.methods.mesp.ops import compute_dtype, rms_norm_backward, rms_norm_forward
+from edgetrain.training.losses import IGNORE_INDEX
 
 # Vocabulary rows per tile: a [4096, hidden] block of W (14.7 MB for Qwen2.5-0.5B in fp32) stays in a
 # typical last-level cache between its two uses.
@@ -44,7 +44,7 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     hidden [B, T, D] or [N, D]; lm_weight [vocab, D] (tied or not: it is only read), or a quantised head
     (edgetrain.models.quantized: QuantizedLinear, TiedQuantizedHead) dequantised one tile of rows at a
     time; targets of the
-    same leading shape. Equals edgetrain.losses.lm_loss: fp32 softmax, mean over valid tokens.
+    same leading shape. Equals edgetrain.training.losses.lm_loss: fp32 softmax, mean over valid tokens.
     `chunk` tokens x `vocab_chunk` vocabulary entries is the largest temporary.
     Returns (loss as a 0-dim tensor, fp32 -- fp64 for fp64 inputs --, dL/dhidden shaped and typed
     like hidden).

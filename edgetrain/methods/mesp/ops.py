@@ -6,7 +6,7 @@ tensors live and for how long. Every backward recomputes what it needs from the 
 anything stored by the forward.
 
 Precision follows the model code: RMSNorm normalises and attention's softmax runs in
-edgetrain.precision.compute_dtype (fp32 for fp32 and low-precision inputs, fp64 for fp64 ones, as
+edgetrain.training.precision.compute_dtype (fp32 for fp32 and low-precision inputs, fp64 for fp64 ones, as
 the model's own RMSNorm and loss), everything else runs in the input dtype. Gradient accumulators handed in by
 the caller may be wider than the inputs (fp32 for a bf16 model): partial products are added into
 them, never rounded back in between.
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from edgetrain import precision
+import edgetrain.training.precision as precision
 
 
 

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgetrain.losses import task_loss
 from edgetrain.methods.scpl.supcon import DEFAULT_TEMPERATURE, supcon_loss
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import task_loss
 
 OBJECTIVES = ("supcon", "classifier")
 HEAD_ATTRIBUTES = {"supcon": "scpl_projections", "classifier": "early_exit_classifiers"}

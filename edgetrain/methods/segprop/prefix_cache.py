@@ -22,7 +22,7 @@ def parse_optional_bytes(value: Any) -> int | None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
         return 0
-    from edgetrain.memory_sizes import parse_bytes
+    from edgetrain.utils.memory_sizes import parse_bytes
 
     return parse_bytes(value)
 

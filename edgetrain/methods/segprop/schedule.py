@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from edgetrain.registry import EdgetrainError
-from edgetrain.schedules import warmup_cosine_factor
+from edgetrain.training.schedules import warmup_cosine_factor
 
 LR_SCHEDULES = ("constant", "cosine")
 
 
-# SegProp's Eq. F.1 as a multiplier of the peak rate (shared with subnetwork DP: edgetrain.schedules).
+# SegProp's Eq. F.1 as a multiplier of the peak rate (shared with subnetwork DP: edgetrain.training.schedules).
 cosine_multiplier = warmup_cosine_factor
 
 

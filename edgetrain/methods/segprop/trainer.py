@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
-from edgetrain.logs import get_logger
-from edgetrain.losses import task_loss
+from edgetrain.utils.logs import get_logger
+from edgetrain.training.losses import task_loss
 from edgetrain.methods.base import NonFiniteError, require_finite
 from edgetrain.methods.segprop import head_last
 from edgetrain.methods.segprop.eval_pins import unpin_eval

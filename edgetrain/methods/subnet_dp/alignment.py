@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgetrain.losses import task_loss
 from edgetrain.methods.subnet_dp.layout import parameter_role
 from edgetrain.methods.subnet_dp.plan import SubnetPlan
 from edgetrain.methods.subnet_dp.subnetwork import masked_forward
+from edgetrain.training.losses import task_loss
 
 DEFAULT_LAYER = "blocks.1.conv1.weight"  # the first conv of ResNet-18's second BasicBlock
 

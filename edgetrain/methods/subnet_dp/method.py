@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from edgetrain.data.batch import Batch
-from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, TrainingError, apply_gradients, trainable_parameters
 from edgetrain.methods.options import positive_int_option
 from edgetrain.methods.subnet_dp.assign import assign_masks
 from edgetrain.methods.subnet_dp.subnetwork import masked_forward
+from edgetrain.training.losses import task_loss
 
 
 class SubnetDPSimulation:

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgetrain.logs import get_logger
 from edgetrain.models.gguf.config import config_from_metadata, metadata_str
 from edgetrain.models.gguf.dequant import DEQUANTIZERS, SUPPORTED_TYPE_NAMES, dequantize
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
 from edgetrain.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, GGUFTokenizer, gguf_tokenizer
 from edgetrain.models.hf_checkpoint import load_weights
 from edgetrain.models.llama import LlamaConfig, LlamaModel
+from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 

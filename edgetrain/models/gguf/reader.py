@@ -15,9 +15,9 @@ from typing import Any, overload
 
 import numpy as np
 
+from edgetrain.files.user import require_regular_file
 from edgetrain.models.gguf.ggml_types import GGML_TYPES, ggml_type_name
 from edgetrain.models.hf_checkpoint import CheckpointError
-from edgetrain.user_files import require_regular_file
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # v1 counted in 32 bits and is long gone from the wild

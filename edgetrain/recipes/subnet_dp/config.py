@@ -15,7 +15,7 @@ from edgetrain.methods.subnet_dp.plan import SubnetPlan
 from edgetrain.models.resnet import ResNet
 from edgetrain.models.resnet_subnet import SubnetResNetConfig
 from edgetrain.registry import EdgetrainError
-from edgetrain.schedules import warmup_cosine_factor
+from edgetrain.training.schedules import warmup_cosine_factor
 
 SCHEDULERS = ("cosine", "multistep")
 

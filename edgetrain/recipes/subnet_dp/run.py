@@ -102,7 +102,7 @@ def model_config_from(args: argparse.Namespace, in_channels: int):
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from edgetrain.recipes.subnet_dp.trainer import SubnetDPConfig, train_ddp_baseline, train_subnet_dp
-    from edgetrain.logs import configure_cli_logging, get_logger
+    from edgetrain.utils.logs import configure_cli_logging, get_logger
 
     configure_cli_logging()
     log = get_logger(__name__)
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for item in results:
                 print(json.dumps(item), flush=True)
             if args.json is not None:
-                from edgetrain.checkpoint import atomic_write_json
+                from edgetrain.training.checkpoint import atomic_write_json
 
                 atomic_write_json(results, args.json)
     finally:
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def save_data_file(path: Path, name: str = "digits", train_limit: int | None = None, seed: int = 0) -> Path:
     """Load a data set once and save it for --data-file (N ranks importing scikit-learn at once is slow)."""
-    from edgetrain.checkpoint import atomic_torch_save
+    from edgetrain.training.checkpoint import atomic_torch_save
 
     return atomic_torch_save(load_data(name, train_limit, seed), path)
 

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             text = json.dumps(everyone, indent=1)
             if args.json is not None:
-                from edgetrain.checkpoint import atomic_write_bytes
+                from edgetrain.training.checkpoint import atomic_write_bytes
 
                 atomic_write_bytes(text.encode("utf-8"), args.json)
             else:

@@ -6,8 +6,8 @@ from typing import Any, Callable, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from edgetrain.losses import IGNORE_INDEX
 from edgetrain.registry import EdgetrainError, Registry
+from edgetrain.training.losses import IGNORE_INDEX
 
 
 class MLXMethod(Protocol):
@@ -30,7 +30,7 @@ MLX_METHODS: Registry[Callable[..., MLXMethod]] = Registry("mlx method")
 
 def lm_loss(logits: mx.array, targets: mx.array) -> mx.array:
     """Mean next-token cross-entropy over positions with a target (!= -100), in fp32 -- as
-    edgetrain.losses.lm_loss (0 valid targets give nan, as torch does)."""
+    edgetrain.training.losses.lm_loss (0 valid targets give nan, as torch does)."""
     logits = logits.reshape(-1, logits.shape[-1]).astype(mx.float32)
     targets = targets.reshape(-1)
     valid = targets != IGNORE_INDEX

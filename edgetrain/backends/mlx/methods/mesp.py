@@ -24,9 +24,9 @@ from edgetrain.backends.mlx.methods.common import MLX_METHODS, clear_memory
 from edgetrain.backends.mlx.methods.mesp_block import BlockWeights, block_backward, block_forward
 from edgetrain.backends.mlx.methods.mesp_ops import compute_dtype, rms_norm_backward, rms_norm_forward
 from edgetrain.backends.mlx.model import MLXDecoder
-from edgetrain.losses import IGNORE_INDEX
 from edgetrain.methods.configs import MeSPConfig, method_config
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import IGNORE_INDEX
 
 # The torch method's defaults (edgetrain.methods.mesp.method), for the same bounded temporaries.
 DEFAULT_ATTENTION_CHUNK = MeSPConfig.attention_chunk

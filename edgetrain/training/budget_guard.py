@@ -1,30 +1,28 @@
-"""The first-step memory-budget guard of the torch Learner: measure the first step, refuse it (undone)
-when what it adds does not fit beside the weights, or fall back to an allowed lower-memory method.
+"""The Learner's first-step memory-budget guard: measure the first step, refuse it (undone) when what it
+adds does not fit beside the weights, or fall back to an allowed lower-memory method.
 
 Plain functions over the learner they guard (any framework's: what touches tensors goes through its
-engine), so learner.py keeps only the streaming interface; the Learner methods of the same names
-(`_first_step_within_budget`, ...) call these.
+engine), reached through the learner's public surface (GuardedLearner below), so learner.py keeps only
+the streaming interface and calls first_step_within_budget from its step.
 """
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from edgetrain.budget_report import StepFigure, lower_memory_methods, rank_methods, refusal_message
 from edgetrain.data.batch import Batch
-from edgetrain.logs import get_logger
-from edgetrain.memory_estimate import first_slice_over_budget
-from edgetrain.memory_sizes import parse_bytes
 from edgetrain.methods.base import TrainingError
 from edgetrain.probes.base import settle_memory
 from edgetrain.registry import EdgetrainError
-from edgetrain.step_estimates import estimate_step_bytes
-
-if TYPE_CHECKING:
-    from edgetrain.learner import Learner, StepStats
+from edgetrain.training.budget_report import StepFigure, lower_memory_methods, rank_methods, refusal_message
+from edgetrain.training.memory_estimate import first_slice_over_budget
+from edgetrain.training.stats import StepStats
+from edgetrain.training.step_estimates import estimate_step_bytes
+from edgetrain.utils.logs import get_logger
+from edgetrain.utils.memory_sizes import parse_bytes
 
 # The learner's own logger: these messages read as the learner's, as they did before the move.
-log = get_logger("edgetrain.learner")
+log = get_logger("edgetrain.training.learner")
 
 # Lower-memory methods to fall back to, best first (exact gradients before estimates).
 FALLBACK_ORDER = ("mebp", "mesp", "mezo")
@@ -32,6 +30,35 @@ FALLBACK_ORDER = ("mebp", "mesp", "mezo")
 
 class MemoryBudgetError(TrainingError):
     """The measured first step does not fit the memory budget."""
+
+
+class GuardedLearner(Protocol):
+    """What the guard reads and calls on the learner it guards (edgetrain.Learner)."""
+
+    model: Any
+    engine: Any
+    optimizer: Any
+    method: Any
+    method_name: str
+    method_options: dict[str, Any]
+    methods: Any                       # the registry of methods its framework runs
+    fallback_methods: tuple[str, ...]
+    memory_budget: int | None
+    memory_budget_origin: str
+    budget_probe: Any                  # what measures a step against the budget
+    budget_checked: bool               # whether the first step has passed the guard
+    steps_done: int
+    stream_position: int
+
+    @property
+    def weights_bytes(self) -> int: ...
+    def snapshot(self) -> Any: ...
+    def restore_snapshot(self, snapshot: Any) -> None: ...
+    def side_state(self) -> Any: ...
+    def restore_side_state(self, side_state: Any) -> None: ...
+    def use_method(self, name: str) -> None: ...
+    def step(self, batch: Batch) -> StepStats: ...
+    def step_measured_by(self, probe: Any, batch: Batch) -> StepStats: ...
 
 
 def resolve_memory_budget(memory_budget: int | str | None, target: str | None) -> tuple[int | None, str]:
@@ -49,7 +76,7 @@ def resolve_memory_budget(memory_budget: int | str | None, target: str | None) -
     return None, ""
 
 
-def first_step_within_budget(learner: Learner, batch: Batch) -> StepStats:
+def first_step_within_budget(learner: GuardedLearner, batch: Batch) -> StepStats:
     """Measure the first step; refuse it, undone, when the memory it adds does not fit what the budget
     leaves beside the weights (or switch to the next allowed method and measure again).
 
@@ -60,7 +87,7 @@ def first_step_within_budget(learner: Learner, batch: Batch) -> StepStats:
       held: in the process's own memory, or memory-mapped from the checkpoint (safetensors), resident
       or not yet read. The first forward reads all of them, so a device that trains must hold them.
     - The step is charged what it adds above the memory held before it (StepStats.peak_bytes;
-      edgetrain/step_memory.py). Pages the step maps in from the weights' file are not step memory:
+      edgetrain/training/step_memory.py). Pages the step maps in from the weights' file are not step memory:
       charging them too counted memory-mapped weights twice and refused steps that fit.
     - What the process held before the weights -- the interpreter, torch's libraries, allocator
       caches -- is not charged: it is the app's share of the device, the same whichever method runs,
@@ -68,64 +95,56 @@ def first_step_within_budget(learner: Learner, batch: Batch) -> StepStats:
       (and in the exported runtime a phone runs).
     So a step is refused when weights + what it adds > budget: when what it adds does not fit what
     the budget leaves beside the weights. The refusal ranks the methods by the memory their step adds
-    (measured where they ran, estimated from the model's shape where not: edgetrain/step_estimates.py)."""
+    (measured where they ran, estimated from the model's shape where not: edgetrain/training/step_estimates.py)."""
     tried: list[StepFigure] = []
     while True:
-        over = first_slice_over_budget(learner._measure_undone_step, batch, learner.weights_bytes,
-                                       learner.memory_budget)
+        over = first_slice_over_budget(lambda part: measure_undone_step(learner, part), batch,
+                                       learner.weights_bytes, learner.memory_budget)
         if over is not None:
             tried.append(StepFigure(learner.method_name, over.needed_bytes - learner.weights_bytes, measured=True,
                                     slice_tokens=over.slice_tokens, batch_tokens=over.batch_tokens))
         else:
-            snapshot = learner._snapshot()
-            learner._budget_checked = True
+            snapshot = learner.snapshot()
+            learner.budget_checked = True
             settle_memory()
-            learner._step_probe = learner._budget_probe
-            try:
-                stats = learner.step(batch)
-            finally:
-                learner._step_probe = learner.probe
+            stats = learner.step_measured_by(learner.budget_probe, batch)
             added = stats.peak_bytes or 0
             if learner.weights_bytes + added <= learner.memory_budget:
                 return stats
-            learner._restore_snapshot(snapshot)
+            learner.restore_snapshot(snapshot)
             learner.steps_done -= 1
             tried.append(StepFigure(learner.method_name, added, measured=True))
         candidates = [m for m in learner.fallback_methods if m not in {figure.method for figure in tried}]
         if not candidates:
-            raise MemoryBudgetError(learner._budget_message(batch, learner._budget_probe.name, tried))
-        learner._use_method(candidates[0])
+            raise MemoryBudgetError(budget_message(learner, batch, learner.budget_probe.name, tried))
+        learner.use_method(candidates[0])
         log.warning("%s adds more than the %s MiB the budget leaves beside the weights; falling back to %s",
                     tried[-1].describe(), f"{max(0, learner.memory_budget - learner.weights_bytes) / 2**20:,.1f}",
                     learner.method_name)
-        learner._budget_checked = False
+        learner.budget_checked = False
 
 
-def measure_undone_step(learner: Learner, batch: Batch) -> int | None:
+def measure_undone_step(learner: GuardedLearner, batch: Batch) -> int | None:
     """What one step on `batch` adds (StepStats.peak_bytes), measured by the budget probe, then undone
     entirely: weights, optimizer and method state, RNG, running statistics and counters are as before.
     None when the step cannot run on this batch (the full step will then say why)."""
-    snapshot, side_state = learner._snapshot(), learner._side_state()
+    snapshot, side_state = learner.snapshot(), learner.side_state()
     method_state = copy.deepcopy(learner.method.state_dict())
     counters = (learner.steps_done, learner.stream_position)
-    learner._budget_checked = True
     settle_memory()
-    learner._step_probe = learner._budget_probe
     try:
-        return learner.step(batch).peak_bytes
+        return learner.step_measured_by(learner.budget_probe, batch).peak_bytes
     except EdgetrainError:
         return None
     finally:
-        learner._step_probe = learner.probe
-        learner._budget_checked = False
-        learner._restore_snapshot(snapshot)
-        learner._restore_side_state(side_state)
+        learner.restore_snapshot(snapshot)
+        learner.restore_side_state(side_state)
         learner.method.load_state_dict(method_state)
         learner.steps_done, learner.stream_position = counters
         learner.engine.clear_gradients(learner.optimizer)
 
 
-def budget_message(learner: Learner, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
+def budget_message(learner: GuardedLearner, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
     """The refusal: the methods tried, ranked against the others' estimates, and what to try instead."""
     candidates = {*FALLBACK_ORDER, "bp", *(figure.method for figure in tried)}
     estimates = {name: estimate_step_bytes(learner.model, batch, name,

@@ -6,8 +6,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from edgetrain.precision import compute_dtype
 from edgetrain.registry import Registry
+from edgetrain.training.precision import compute_dtype
 
 IGNORE_INDEX = -100
 
@@ -17,7 +17,7 @@ TASK_LOSSES: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Re
 @TASK_LOSSES.register("lm")
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over positions with a target, computed in fp32 (in fp64 for an
-    fp64 model: edgetrain.precision).
+    fp64 model: edgetrain.training.precision).
 
     `targets` is already aligned with `logits` (targets[:, t] is the token after input t)."""
     flat = logits.flatten(0, -2)

@@ -1,29 +1,39 @@
-"""The stream loop behind Learner.fit: check the options, refuse a resumed run's changed data, step
-through the stream until the step count is reached, and log, evaluate, checkpoint and call back on
-schedule. One plain function over any learner (the torch Learner and MLXLearner share it), so learner.py
-keeps the per-step interface; format_progress and stats_dict are the loop's log line and record.
+"""The stream loop behind Learner.fit: check the options, hand the stream to the learner (which refuses a
+resumed run's changed data), step through the stream until the step count is reached, and log,
+evaluate, checkpoint and call back on schedule. One plain function over the learner's public surface
+(FittedLearner below), so learner.py keeps the per-step interface; format_progress and stats_dict are
+the loop's log line and record.
 """
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
-from edgetrain.checkpoint import ensure_writable_directory
 from edgetrain.data.batch import Batch
-from edgetrain.data.fingerprint import check_same_data
-from edgetrain.logs import get_logger
-from edgetrain.progress import progress_bar
 from edgetrain.registry import EdgetrainError
-
-if TYPE_CHECKING:
-    from edgetrain.learner import Learner, StepStats
+from edgetrain.training.checkpoint import ensure_writable_directory
+from edgetrain.training.stats import StepStats
+from edgetrain.utils.logs import get_logger
+from edgetrain.utils.progress import progress_bar
 
 # The learner's own logger: progress lines read as the learner's, as they did before the move.
-log = get_logger("edgetrain.learner")
+log = get_logger("edgetrain.training.learner")
 
 
-def fit_stream(learner: Learner, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
+class FittedLearner(Protocol):
+    """What the loop reads and calls on the learner it drives (edgetrain.Learner)."""
+
+    steps_done: int
+    method_name: str
+
+    def accept_stream(self, fingerprint: dict | None, allow_data_change: bool = False) -> None: ...
+    def step(self, batch: Batch) -> StepStats: ...
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]: ...
+    def save_rotating(self, directory: str | Path, keep: int = 2) -> Path: ...
+
+
+def fit_stream(learner: FittedLearner, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
                eval_batches: Callable[[], Iterable[Batch]] | None = None, checkpoint_every: int = 0,
                checkpoint_dir: str | Path | None = None, callbacks: Iterable[Callable] = (),
                progress: bool = False, log_every: int = 10, allow_data_change: bool = False) -> list[StepStats]:
@@ -42,12 +52,7 @@ def fit_stream(learner: Learner, stream: Iterable[Batch], max_steps: int, *, eva
     if eval_every and eval_batches is None:
         raise EdgetrainError("fit: eval_every needs eval_batches")
     fingerprint = stream.fingerprint() if callable(getattr(stream, "fingerprint", None)) else None
-    if learner._resumed_data is not None:
-        saved, source = learner._resumed_data
-        check_same_data(saved, fingerprint, source, allow_data_change)
-    learner._resumed_data = None
-    if fingerprint is not None:
-        learner.data_fingerprint = fingerprint
+    learner.accept_stream(fingerprint, allow_data_change)
     history: list[StepStats] = []
     iterator: Iterator[Batch] = iter(stream)
     with progress_bar(max_steps, initial=min(learner.steps_done, max_steps), description=f"fit {learner.method_name}",

@@ -1,4 +1,4 @@
-"""TorchEngine: the Learner's tensor work for torch models (edgetrain.engines says what an engine is)."""
+"""TorchEngine: the Learner's tensor work for torch models (edgetrain.training.engine says what an engine is)."""
 from __future__ import annotations
 
 import copy
@@ -8,16 +8,16 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from edgetrain.checkpoint import unflatten_optimizer_state
+from edgetrain.backends.torch.finite_steps import FiniteOptimizerSteps
+from edgetrain.backends.torch.learner_state import CHECKPOINT_FORMAT, apply_restored, checkpoint_tensors, state_buffers
+from edgetrain.backends.torch.optimizers import make_optimizer
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import batch_expectations, validate_batch
-from edgetrain.finite_steps import FiniteOptimizerSteps
-from edgetrain.learner_state import CHECKPOINT_FORMAT, apply_restored, checkpoint_tensors, state_buffers
-from edgetrain.losses import task_loss
 from edgetrain.methods.base import METHODS, NonFiniteError, trainable_parameters
-from edgetrain.optimizers import make_optimizer
 from edgetrain.registry import EdgetrainError
-from edgetrain.step_memory import StepMemory
+from edgetrain.training.checkpoint import unflatten_optimizer_state
+from edgetrain.training.losses import task_loss
+from edgetrain.training.step_memory import StepMemory
 
 
 class TorchEngine:
@@ -94,7 +94,7 @@ class TorchEngine:
         return method.gradients(prepared)
 
     def step_window(self, probe: Any) -> StepMemory:
-        # What the step adds to the memory held before it (edgetrain/step_memory.py says how it is read).
+        # What the step adds to the memory held before it (edgetrain/training/step_memory.py says how it is read).
         return StepMemory(probe)
 
     def after_failed_step(self, optimizer: torch.optim.Optimizer) -> None:

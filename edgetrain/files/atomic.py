@@ -3,7 +3,7 @@
 A reader never sees a torn write. Files are written to a temp sibling, fsynced and renamed over the target;
 directories whose files must match (an adapter's weights and config, ONNX Runtime's artifacts) are built in
 a temp sibling and swapped in whole (`atomic_write_directory`). Temps left by killed writers are cleaned up
-on the next save. Checksummed checkpoints on top of these writes live in edgetrain.checkpoint.
+on the next save. Checksummed checkpoints on top of these writes live in edgetrain.training.checkpoint.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from typing import Any, Callable
 import torch
 
 from edgetrain.registry import EdgetrainError
-
 
 # Temp names carry the writer's pid, so the next save of the same path can tell a temp left by a killed
 # writer (removed) from one a live writer is still filling (kept).

@@ -7,7 +7,7 @@
 
 Everything else (how a gradient is produced) belongs to the method; where memory is read belongs to
 the probe; where tensors live belongs to the backend. Written once for every framework: what touches
-tensors goes through the backend's Engine (edgetrain/engines: torch, MLX). The first-step memory-budget
+tensors goes through the backend's Engine (edgetrain/training/engine.py: torch, MLX). The first-step memory-budget
 guard and the stream loop are their own modules (budget_guard, fit_loop).
 """
 from __future__ import annotations
@@ -16,60 +16,43 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, Callable, Iterable
 
 from edgetrain import backends as _backends  # noqa: F401  (registers backends)
 from edgetrain import methods as _methods  # noqa: F401  (registers methods)
-from edgetrain.backends import Backend, get_backend
-from edgetrain.budget_guard import FALLBACK_ORDER  # noqa: F401  (re-exported)
-from edgetrain.budget_guard import (MemoryBudgetError, budget_message, first_step_within_budget, measure_undone_step,
-                                    resolve_memory_budget)
-from edgetrain.budget_report import StepFigure
-from edgetrain.checkpoint import (CorruptCheckpointError, atomic_save_safetensors, check_counters, load_latest_good,
-                                  load_safetensors_checked, metadata_json, rotating_checkpoint_paths, save_rotating)
+from edgetrain.backends import get_backend
+from edgetrain.backends.base import model_framework
 from edgetrain.data.batch import Batch
-from edgetrain.fit_loop import fit_stream
-from edgetrain.fit_loop import format_progress, stats_dict  # noqa: F401  (re-exported)
-from edgetrain.gradient_steps import check_accumulation, check_gradient_step_method, micro_batches
-from edgetrain.logs import get_logger
-from edgetrain.memory_sizes import parse_bytes
+from edgetrain.data.fingerprint import check_same_data
 from edgetrain.methods.base import NonFiniteError, TrainingError
 from edgetrain.registry import EdgetrainError
-from edgetrain.schedules import LRSchedule, check_learning_rate, check_same_schedule
+from edgetrain.training.budget_guard import (
+    FALLBACK_ORDER,  # noqa: F401  (re-exported)
+    MemoryBudgetError,
+    first_step_within_budget,
+    resolve_memory_budget,
+)
+from edgetrain.training.checkpoint import (
+    CorruptCheckpointError,
+    atomic_save_safetensors,
+    check_counters,
+    load_latest_good,
+    load_safetensors_checked,
+    metadata_json,
+    rotating_checkpoint_paths,
+    save_rotating,
+)
+from edgetrain.training.fit_loop import fit_stream, format_progress, stats_dict  # noqa: F401  (re-exported)
+from edgetrain.training.gradient_steps import check_accumulation, check_gradient_step_method, micro_batches
+from edgetrain.training.schedules import LRSchedule, check_learning_rate, check_same_schedule
+from edgetrain.training.stats import StepStats
+from edgetrain.utils.logs import get_logger
+from edgetrain.utils.memory_sizes import parse_bytes
 
 log = get_logger(__name__)
 
 __all__ = ["Learner", "MemoryBudgetError", "StepStats", "TrainingError", "parse_bytes"]
-
-
-@dataclass
-class StepStats:
-    """What one step did and cost.
-
-    peak_bytes: the memory the step added, read by `probe` (None without one): its peak during the step
-    minus its reading just before, with the allocator's free heap given back to the kernel and its large
-    free chunks plugged for the step (so a step cannot be served, unseen, from memory that is already
-    resident), less the file-backed pages the step mapped in (memory-mapped weights read for the first
-    time, library code), which are not step memory. The weights and whatever the process held before are
-    not in it. So the same step reads the same in a long-lived process as in a fresh one after a warm-up
-    step (within 1 MiB + 5%, tests/test_step_memory.py); the first step of a process adds its one-time
-    allocations (thread pools, kernel caches). edgetrain/step_memory.py has the details.
-    """
-
-    step: int               # steps completed after this one
-    loss: float
-    samples: int
-    tokens: int
-    seconds: float
-    peak_bytes: int | None  # the memory the step added (see above); None if no probe
-    probe: str
-    lr: float | None = None  # the learning rate this step used (the schedule's rate at this step)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
 def _resolve_probe(probe: Any, backend: str):
@@ -91,23 +74,11 @@ def _resolve_probe(probe: Any, backend: str):
 
 
 class Learner:
-    """The streaming learner over one framework's Engine (the backend's: torch or MLX). `accumulate=N`
-    cuts each step's batch into N micro-batches and sums their gradients into one update (the whole
-    batch's gradient, one micro-batch's activations); `max_grad_norm` clips that update's global L2 norm.
-    Both need a method whose step is its gradient and one optimizer update (bp, mebp, mesp)."""
-
-    framework: ClassVar[str] = "torch"  # the models it drives: its backend's framework must be this
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Learner":
-        # Learner(model, backend="mlx", ...) is the learner class its backend names (MLXLearner: this
-        # learner, for MLX models).
-        if cls is Learner:
-            backend = kwargs.get("backend", args[2] if len(args) > 2 else "torch-cpu")
-            if isinstance(backend, str) and backend in _backends.BACKENDS:
-                entry = _backends.BACKENDS.get(backend)
-                if entry.learner != Backend.learner:
-                    cls = entry.require().learner_class()  # says why not (mlx missing) before importing it
-        return super().__new__(cls)
+    """The streaming learner over one framework's Engine (the backend's: torch or MLX; the model must be of
+    that framework). `accumulate=N` cuts each step's batch into N micro-batches and sums their gradients
+    into one update (the whole batch's gradient, one micro-batch's activations); `max_grad_norm` clips
+    that update's global L2 norm. Both need a method whose step is its gradient and one optimizer update
+    (bp, mebp, mesp)."""
 
     def __init__(self, model: Any, method: str = "bp", backend: str = "torch-cpu",
                  optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
@@ -118,11 +89,12 @@ class Learner:
                  lr_schedule: str | None = None, schedule_options: dict[str, Any] | None = None,
                  accumulate: int = 1, max_grad_norm: float | None = None) -> None:
         self.backend = get_backend(backend)
+        framework = model_framework(model)
+        if framework != self.backend.framework:
+            raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; this "
+                                 f"{type(model).__name__} is a {framework} model")
         lr = check_learning_rate(lr)
         self.lr_schedule = LRSchedule.make(lr_schedule, schedule_options)
-        if self.backend.framework != self.framework:
-            raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; "
-                                 f"{type(self).__name__} drives {self.framework} models")
         self.accumulate, self.max_grad_norm = check_accumulation(accumulate, max_grad_norm)
         self.engine = self.backend.make_engine()
         self.methods = self.engine.methods
@@ -143,21 +115,21 @@ class Learner:
         for name in self.fallback_methods:
             self.methods.get(name)
         self.probe = _resolve_probe(probe, self.backend.name)
-        self._budget_probe = self.probe
+        self.budget_probe = self.probe  # what measures steps against the memory budget
         if self.memory_budget is not None and self.probe is None:
             stand_in = None if probe is not None else self.engine.probe_without_os_probe(self.model)
             if stand_in is None:
                 raise EdgetrainError("a memory budget needs a working memory probe to measure the first step")
             log.warning("measuring the first step against the memory budget by tensor accounting")
-            self._budget_probe = stand_in
-        self._step_probe = self.probe
+            self.budget_probe = stand_in
         self.steps_done = 0
         self.stream_position = 0
         # What the stream fed (IndexedStream.fingerprint), saved with each checkpoint; after a resume, the
         # checkpoint's, until fit has checked that the stream it is given is the same data.
         self.data_fingerprint: dict | None = None
         self._resumed_data: tuple[dict, str] | None = None
-        self._budget_checked = self.memory_budget is None
+        # Whether the first step has been measured against the memory budget (budget_guard).
+        self.budget_checked = self.memory_budget is None
 
     @property
     def drives_gradients(self) -> bool:
@@ -179,31 +151,42 @@ class Learner:
     def weights_bytes(self) -> int:
         return self.engine.weights_bytes(self.model)
 
-    def _snapshot(self) -> Any:
+    def snapshot(self) -> Any:
+        """The trainable weights and optimizer state, to put back with restore_snapshot."""
         return self.engine.snapshot(self.params, self.optimizer)
 
-    def _restore_snapshot(self, snapshot: Any) -> None:
+    def restore_snapshot(self, snapshot: Any) -> None:
         self.engine.restore_snapshot(self.model, self.params, self.optimizer, snapshot)
 
-    def _side_state(self) -> Any:
+    def side_state(self) -> Any:
+        """What a forward changes besides the weights (running statistics, ...), to put back with
+        restore_side_state."""
         return self.engine.side_state(self.model)
 
-    def _restore_side_state(self, side_state: Any) -> None:
+    def restore_side_state(self, side_state: Any) -> None:
         self.engine.restore_side_state(side_state)
 
     def step(self, batch: Batch) -> StepStats:
         """One step. A NaN/inf loss or gradient raises TrainingError and leaves the weights (and
-        optimizer state) of the last good step; the first step is checked against the memory budget."""
+        optimizer state) of the last good step; the first step is checked against the memory budget
+        (edgetrain/training/budget_guard.py: over it, the step is undone and an allowed lower-memory
+        method is tried, or MemoryBudgetError is raised)."""
         prepared = self._prepare(batch)
-        if not self._budget_checked:
-            return self._first_step_within_budget(batch)
-        snapshot = self._snapshot() if getattr(self.method, "partial_updates", False) else None
+        if not self.budget_checked:
+            return first_step_within_budget(self, batch)
+        return self._measured_step(batch, prepared, self.probe)
+
+    def step_measured_by(self, probe: Any, batch: Batch) -> StepStats:
+        """One step past the memory-budget guard, its memory read by `probe` (the guard's measurements)."""
+        return self._measured_step(batch, self._prepare(batch), probe)
+
+    def _measured_step(self, batch: Batch, prepared: Any, probe: Any) -> StepStats:
+        snapshot = self.snapshot() if getattr(self.method, "partial_updates", False) else None
         # What a forward changes besides the weights: a failed step puts it back, so that the state
         # (and a checkpoint written after the failure) is the state of the last good step.
-        side_state = None if getattr(self.method, "advances_on_failure", False) else self._side_state()
+        side_state = None if getattr(self.method, "advances_on_failure", False) else self.side_state()
         self.engine.begin_step(self.seed, self.steps_done)
         lr = self._apply_lr_schedule()
-        probe = self._step_probe
         window = self.engine.step_window(probe) if probe is not None else None
         try:
             with window if window is not None else nullcontext():
@@ -215,9 +198,9 @@ class Learner:
         except Exception as exc:
             self.engine.after_failed_step(self.optimizer)
             if snapshot is not None:
-                self._restore_snapshot(snapshot)
+                self.restore_snapshot(snapshot)
             if side_state is not None:
-                self._restore_side_state(side_state)
+                self.restore_side_state(side_state)
             self.engine.clear_gradients(self.optimizer)
             if not isinstance(exc, NonFiniteError):
                 raise
@@ -257,18 +240,6 @@ class Learner:
         rates = [self.lr_schedule.rate(base, self.steps_done) for base in self.base_lrs]
         self.engine.set_group_rates(self.optimizer, rates)
         return float(self.engine.group_rates(self.optimizer)[0])
-
-    def _first_step_within_budget(self, batch: Batch) -> StepStats:
-        """Measure the first step against the memory budget (edgetrain/budget_guard.py says what is charged);
-        over it, undo the step and fall back to an allowed method or raise MemoryBudgetError."""
-        return first_step_within_budget(self, batch)
-
-    def _measure_undone_step(self, batch: Batch) -> int | None:
-        """What one step on `batch` adds, measured by the budget probe, then undone entirely."""
-        return measure_undone_step(self, batch)
-
-    def _budget_message(self, batch: Batch, probe_name: str, tried: list[StepFigure]) -> str:
-        return budget_message(self, batch, probe_name, tried)
 
     def compute_gradients(self, batch: Batch) -> tuple[float, dict[str, Any]]:
         """Loss and gradient (or the method's estimate) per trainable parameter, in the framework's tensors
@@ -332,7 +303,8 @@ class Learner:
                                       restore=lambda p, tensors, metadata: self._restore(tensors, metadata, str(p)))
         return path
 
-    def _use_method(self, name: str) -> None:
+    def use_method(self, name: str) -> None:
+        """Train with method `name` from now on (a budget fallback, or the method a checkpoint was saved by)."""
         self.method_name = name
         # The original method's options do not apply to another method.
         self.method_options = {}
@@ -353,16 +325,16 @@ class Learner:
         check_same_schedule(state, self.lr_schedule, self.base_lrs, source)
         check_counters(state, source)
         checked = self.engine.check_restore(self, tensors, state, source)
-        before = (self._snapshot(), self.engine.restore_point(self), self.method_name, self.method_options,
+        before = (self.snapshot(), self.engine.restore_point(self), self.method_name, self.method_options,
                   self.method)
         try:
             if saved_method != self.method_name:
-                self._use_method(saved_method)
+                self.use_method(saved_method)
             self.engine.apply_restore(self, tensors, state, checked)
             self.method.load_state_dict(state["method"])
         except BaseException as exc:
             snapshot, point, self.method_name, self.method_options, self.method = before
-            self._restore_snapshot(snapshot)
+            self.restore_snapshot(snapshot)
             self.engine.roll_back_restore(self, point)
             if isinstance(exc, Exception) and not isinstance(exc, EdgetrainError):
                 raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
@@ -373,6 +345,17 @@ class Learner:
         self._resumed_data = (self.data_fingerprint, source) if self.data_fingerprint is not None else None
 
     # -- a stream ------------------------------------------------------------------------------
+    def accept_stream(self, fingerprint: dict | None, allow_data_change: bool = False) -> None:
+        """Take a stream about to be fed: after a resume, refuse one whose data is not what the checkpoint
+        was trained on (DataChangedError) unless `allow_data_change`; then its fingerprint (None for a
+        stream without one) is what the next checkpoints record."""
+        if self._resumed_data is not None:
+            saved, source = self._resumed_data
+            check_same_data(saved, fingerprint, source, allow_data_change)
+        self._resumed_data = None
+        if fingerprint is not None:
+            self.data_fingerprint = fingerprint
+
     def fit(self, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
             eval_batches: Callable[[], Iterable[Batch]] | None = None, checkpoint_every: int = 0,
             checkpoint_dir: str | Path | None = None, callbacks: Iterable[Callable] = (),

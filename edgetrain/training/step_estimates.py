@@ -5,7 +5,7 @@ The budget guard measures the methods it runs; these estimates rank the others i
 (a method not measured can still be named as the one to try). They count the tensors a step keeps
 alive at its peak, as tensor accounting does (not the allocator's slack or kernel workspaces), from the
 structure of each method; with N = batch x sequence tokens, e = the weights' element size, c = the
-loss's compute element size (4 bytes, 8 for fp64: edgetrain.precision), per block h = hidden size,
+loss's compute element size (4 bytes, 8 for fp64: edgetrain.training.precision), per block h = hidden size,
 q / kv = query / key-value width, i = intermediate size, r = the block's LoRA ranks together, L blocks,
 V the vocabulary, and T = one block's trainable bytes (its gradients, or mezo's perturbed copies):
 
@@ -43,8 +43,7 @@ from edgetrain.methods.mesp.loss import default_vocab_chunk
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import QUANTIZED_HEADS, PackedMatrix, QuantizedEmbedding, tile_elements
-from edgetrain.precision import compute_dtype
-
+from edgetrain.training.precision import compute_dtype
 
 
 class _Shape:

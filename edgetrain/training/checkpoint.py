@@ -2,7 +2,7 @@
 
 A checkpoint damaged after writing (bit rot, a truncated copy) fails its checksum and is reported rather
 than loaded; resume then falls back to the newest one that passes (`load_latest_good`). Files are written
-crash-safe through edgetrain.atomic_files, whose functions are re-exported here for existing callers.
+crash-safe through edgetrain.files.atomic, whose functions are re-exported here for existing callers.
 """
 from __future__ import annotations
 
@@ -15,18 +15,26 @@ from typing import Any, Callable
 
 import torch
 
-from edgetrain.atomic_files import (atomic_torch_save, atomic_write_bytes, atomic_write_directory,
-                                    atomic_write_file, atomic_write_json, ensure_writable_directory,
-                                    ensure_writable_target, readable_directory, remove_stale_temps)
+from edgetrain.files.atomic import (
+    atomic_torch_save,
+    atomic_write_bytes,
+    atomic_write_directory,
+    atomic_write_file,
+    atomic_write_json,
+    ensure_writable_directory,
+    ensure_writable_target,
+    readable_directory,
+    remove_stale_temps,
+)
+from edgetrain.files.user import require_regular_file
 from edgetrain.registry import EdgetrainError
-from edgetrain.user_files import require_regular_file
 
 __all__ = [
     "CHECKSUM_KEY", "LEGACY_CHECKSUM_KEY", "CorruptCheckpointError", "tensors_sha256", "payload_sha256",
     "atomic_save_safetensors", "load_safetensors_checked", "metadata_json", "check_counters",
     "flatten_optimizer_state", "unflatten_optimizer_state", "rotating_checkpoint_paths", "save_rotating",
     "load_latest_good",
-    # re-exported from edgetrain.atomic_files
+    # re-exported from edgetrain.files.atomic
     "atomic_torch_save", "atomic_write_bytes", "atomic_write_directory", "atomic_write_file",
     "atomic_write_json", "ensure_writable_directory", "ensure_writable_target", "readable_directory",
 ]

@@ -2,7 +2,7 @@
 weights, buffers, optimizer state and the RNG (TorchEngine.checkpoint_tensors / apply_restore call these).
 The Learner writes the counters, method state, schedule and data fingerprint beside them and keeps the
 checks and the all-or-nothing rollback; the file handling (atomic, checksummed, rotating) is
-edgetrain.checkpoint's.
+edgetrain.training.checkpoint's.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from edgetrain.checkpoint import flatten_optimizer_state
+from edgetrain.training.checkpoint import flatten_optimizer_state
 
 if TYPE_CHECKING:
-    from edgetrain.learner import Learner
+    from edgetrain.training.learner import Learner
 
 CHECKPOINT_FORMAT = "edgetrain-learner-1"
 

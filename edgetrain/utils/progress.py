@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from edgetrain.logs import ROOT_LOGGER
+from edgetrain.utils.logs import ROOT_LOGGER
 
 
 class NoBar:

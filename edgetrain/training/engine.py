@@ -1,8 +1,8 @@
 """Engines: what one framework does with tensors for the one edgetrain.Learner.
 
-The Learner (edgetrain/learner.py) is written once: the step with its rollback, the first-step memory
+The Learner (edgetrain/training/learner.py) is written once: the step with its rollback, the first-step memory
 budget guard, evaluation, checkpoints with resume, the stream loop. Whatever touches a framework's
-tensors goes through an Engine, one per framework: TorchEngine (edgetrain/engines/torch_engine.py) and
+tensors goes through an Engine, one per framework: TorchEngine (edgetrain/backends/torch/engine.py) and
 MLXEngine (edgetrain/backends/mlx/engine.py). A backend's registry entry names its engine
 (Backend.engine), so the Learner never compares a backend or framework name.
 

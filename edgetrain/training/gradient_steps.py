@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 from edgetrain.data.batch import Batch
-from edgetrain.losses import IGNORE_INDEX
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.losses import IGNORE_INDEX
 
 
 def check_accumulation(accumulate: Any, max_grad_norm: Any) -> tuple[int, float | None]:

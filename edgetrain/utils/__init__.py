@@ -1,0 +1,1 @@
+"""How edgetrain speaks and reads sizes: logging (logs), progress bars (progress), memory sizes (memory_sizes)."""
