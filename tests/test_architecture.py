@@ -194,3 +194,72 @@ def test_every_folder_of_code_is_a_package():
     # wheel though they import fine from a checkout (edgetrain/profiler/ once was such a folder).
     folders = {path.parent for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
     assert sorted(str(f.relative_to(PACKAGE.parent)) for f in folders if not (f / "__init__.py").is_file()) == []
+
+
+# Parts that work on another part's object through a Protocol of its public surface: module -> (the name
+# the object goes by in its code, the protocols that name what it may use, the class that must offer it).
+SURFACES = {
+    "training/budget_guard.py": ("learner", ("GuardedLearner",), "edgetrain.training.learner:Learner"),
+    "training/fit_loop.py": ("learner", ("FittedLearner",), "edgetrain.training.learner:Learner"),
+    "personalise/runner.py": ("owner", ("RunOwner", "WindowOwner"), "edgetrain.personalise.personaliser:Personaliser"),
+    "personalise/window.py": ("owner", ("WindowOwner",), "edgetrain.personalise.personaliser:Personaliser"),
+}
+
+
+def _attributes_used_on(tree: ast.AST, name: str) -> set[str]:
+    """`x.attr` where x is the variable `name` or `self.name` (the object kept on the part's own instance)."""
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            if (isinstance(value, ast.Name) and value.id == name) or (
+                    isinstance(value, ast.Attribute) and value.attr == name
+                    and isinstance(value.value, ast.Name) and value.value.id == "self"):
+                used.add(node.attr)
+    return used
+
+
+def _protocol_members(path: Path, protocols: tuple[str, ...]) -> set[str]:
+    members = set()
+    # RunOwner extends WindowOwner, which window.py defines.
+    for module in {path, PACKAGE / "personalise" / "window.py"}:
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name in protocols:
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        members.add(item.target.id)
+                    elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        members.add(item.name)
+    return members
+
+
+def test_parts_use_their_owner_only_through_its_public_protocol():
+    # The budget guard and the fit loop once called the learner's private methods, and the personaliser's
+    # runner and windows its _require_model: a part that reaches into another's privates is still inside
+    # it, whatever file it is in.
+    import importlib
+
+    for relative, (name, protocols, owner) in SURFACES.items():
+        path = PACKAGE / relative
+        used = _attributes_used_on(ast.parse(path.read_text()), name)
+        members = _protocol_members(path, protocols)
+        assert members, f"{relative}: no protocol {protocols}"
+        assert not {a for a in used if a.startswith("_")}, f"{relative} uses private members of its {name}"
+        assert used <= members, f"{relative} uses {sorted(used - members)} of its {name}, not in {protocols}"
+        module_name, _, class_name = owner.partition(":")
+        offered = set(dir(getattr(importlib.import_module(module_name), class_name))) | _instance_attributes(owner)
+        assert members <= offered, f"{owner} does not offer {sorted(members - offered)} of {protocols}"
+
+
+def _instance_attributes(owner: str) -> set[str]:
+    """The attributes the owner's __init__ assigns on self (members a Protocol may name as data)."""
+    module_name, _, class_name = owner.partition(":")
+    path = PACKAGE.parent / (module_name.replace(".", "/") + ".py")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return {target.attr for item in ast.walk(node) if isinstance(item, (ast.Assign, ast.AnnAssign))
+                    for target in (item.targets if isinstance(item, ast.Assign) else [item.target])
+                    for target in (target.elts if isinstance(target, ast.Tuple) else [target])
+                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"}
+    return set()
