@@ -55,6 +55,25 @@ def test_list_models_targets_probes_and_formats(capsys):
     assert {"export: executorch", "export: onnxruntime", "adapter: edgetrain", "adapter: mlx-lm"} <= set(formats)
 
 
+def test_list_with_no_argument_lists_everything_grouped(capsys):
+    # A newcomer's first `edgetrain list` used to be a usage error.
+    from edgetrain.cli.list import LISTINGS
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    groups: dict[str, set[str]] = {}
+    current = None
+    for line in out.splitlines():
+        if line.endswith(":") and "  " not in line:
+            current = line[:-1]
+            groups[current] = set()
+        elif line.strip():
+            groups[current].add(line.partition("  ")[0].strip())
+    assert list(groups) == list(LISTINGS)
+    for what in LISTINGS:
+        assert groups[what] == set(_listing(capsys, what)), what
+
+
 def test_an_unknown_listing_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as done:
         main(["list", "gadgets"])

@@ -1,5 +1,6 @@
 """List what this install offers: training methods, model presets, device targets, memory probes, formats.
 
+    edgetrain list             # everything below, grouped under a heading each
     edgetrain list methods     # each method and the frameworks that run it
     edgetrain list models      # model presets (a checkpoint directory works too)
     edgetrain list targets     # device profiles for --target, with their memory budget
@@ -81,12 +82,21 @@ LISTINGS: dict[str, Callable[[], list[tuple[str, str]]]] = {
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=sorted(LISTINGS), help="what to list")
+    parser.add_argument("what", choices=sorted(LISTINGS), nargs="?", default=None,
+                        help="what to list (default: everything, grouped)")
 
 
-def main(args: argparse.Namespace) -> int:
-    rows = LISTINGS[args.what]()
+def _print_rows(rows: list[tuple[str, str]]) -> None:
     width = max((len(name) for name, _ in rows), default=0)
     for name, about in rows:
         print(f"{name:<{width}}  {about}".rstrip())
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.what is not None:
+        _print_rows(LISTINGS[args.what]())
+        return 0
+    for index, (what, rows) in enumerate((what, listing()) for what, listing in LISTINGS.items()):
+        print(("\n" if index else "") + f"{what}:")
+        _print_rows(rows)
     return 0
