@@ -5,10 +5,10 @@ The public names below are imported on first use (PEP 562), so that `import edge
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from edgetrain.registry import EdgetrainError
+from edgetrain.utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -33,18 +33,8 @@ if TYPE_CHECKING:
     from edgetrain.personalise import Personaliser
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    # `import edgetrain` then `edgetrain.data.digits_stream(...)`: subpackages load on first use too.
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module 'edgetrain' has no attribute {name!r}")
+# `import edgetrain` then `edgetrain.data.digits_stream(...)`: subpackages load on first use too.
+__getattr__ = lazy_exports(__name__, _LAZY, globals(), submodules=True)
 
 
 def __dir__() -> list[str]:

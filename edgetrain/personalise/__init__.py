@@ -7,8 +7,7 @@ examples (`Store(path).add(...)`) starts quickly; the Personaliser (and what tra
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from edgetrain.personalise.errors import (BadExampleError, DamagedStoreError, ModelMismatchError,
                                           NothingToRollBackError, PersonaliseError, StoreBusyError, StoreError,
@@ -18,6 +17,7 @@ from edgetrain.personalise.examples import Example, is_held_out, parse_example
 from edgetrain.personalise.policy import Decision, Policy
 from edgetrain.personalise.sensors import FixedSensors, Readings, SystemSensors
 from edgetrain.personalise.store import Store
+from edgetrain.utils.lazy import lazy_exports
 
 _LAZY = {"Personaliser": "edgetrain.personalise.personaliser", "RunResult": "edgetrain.personalise.personaliser"}
 
@@ -25,13 +25,7 @@ if TYPE_CHECKING:
     from edgetrain.personalise.personaliser import Personaliser, RunResult
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'edgetrain.personalise' has no attribute {name!r}")
-
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = ["BadExampleError", "DamagedStoreError", "Decision", "EventLog", "Example", "FixedSensors",
            "ModelMismatchError", "NothingToRollBackError", "PersonaliseError", "Personaliser", "Policy", "Readings",

@@ -17,8 +17,9 @@ read by models, methods and data without importing the learner.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from edgetrain.utils.lazy import lazy_exports
 
 _LAZY = {"Learner": "edgetrain.training.learner", "StepStats": "edgetrain.training.stats",
          "MemoryBudgetError": "edgetrain.training.budget_guard"}
@@ -29,12 +30,6 @@ if TYPE_CHECKING:
     from edgetrain.training.stats import StepStats
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'edgetrain.training' has no attribute {name!r}")
-
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = ["Learner", "MemoryBudgetError", "StepStats"]
