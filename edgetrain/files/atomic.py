@@ -20,6 +20,54 @@ import torch
 
 from edgetrain.registry import EdgetrainError
 
+class OutputPathError(EdgetrainError, OSError):
+    """An output path that cannot be written: it names the part of the path that is wrong (a file where a
+    directory must be, a folder that cannot be written in, a name the file system refuses). An OSError
+    too, for callers that handle the file system's own errors."""
+
+
+def _first_existing_ancestor(path: Path) -> Path:
+    for ancestor in path.parents:
+        if os.path.lexists(ancestor):
+            return ancestor
+    return Path(path.anchor or ".")
+
+
+def output_path_error(path: Path, exc: OSError | ValueError, what: str = "output") -> OutputPathError:
+    """The named error for writing `path` failing with `exc` at its directory (creating it, or a file in it)."""
+    if isinstance(exc, ValueError):  # a NUL byte: no file system takes it
+        return OutputPathError(f"{what} {str(path)!r} cannot be written: {exc}")
+    if isinstance(exc, OutputPathError):
+        return exc
+    blocker = _first_existing_ancestor(path)
+    if not blocker.is_dir():
+        kind = "a file" if blocker.is_file() else "not a directory"
+        return OutputPathError(f"{what} {path} cannot be written: {blocker} is {kind}, and a directory must be "
+                               "there")
+    reason = exc.strerror or str(exc)
+    if blocker != path.parent:
+        return OutputPathError(f"{what} {path} cannot be written: cannot create {path.parent} inside {blocker} "
+                               f"({reason})")
+    return OutputPathError(f"{what} {path} cannot be written in {blocker} ({reason})")
+
+
+def make_parent(path: Path, what: str = "output") -> None:
+    """Create `path`'s directory (and the ones above it), or raise OutputPathError naming the part of the
+    path that stops it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        raise output_path_error(path, exc, what) from None
+    if not path.parent.is_dir():  # mkdir(exist_ok=True) accepts a symlink to a file
+        raise output_path_error(path, NotADirectoryError(20, "Not a directory"), what)
+    try:  # the name itself: one the file system refuses (too long, a NUL byte) fails here, by name
+        os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        raise output_path_error(path, exc, what) from None
+
+
 # Temp names carry the writer's pid, so the next save of the same path can tell a temp left by a killed
 # writer (removed) from one a live writer is still filling (kept).
 
@@ -29,7 +77,8 @@ def _temp_pattern(name: str, suffix: str) -> re.Pattern[str]:
 
 
 def _make_temp(path: Path, suffix: str, directory: bool) -> Path:
-    """A new temp sibling of `path`, created with mode 0666/0777 less the umask (mkstemp's are 0600/0700)."""
+    """A new temp sibling of `path`, created with mode 0666/0777 less the umask (mkstemp's are 0600/0700);
+    OutputPathError when the directory takes no new file (read-only, full, a name too long)."""
     while True:
         tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
         try:
@@ -40,6 +89,8 @@ def _make_temp(path: Path, suffix: str, directory: bool) -> Path:
             return tmp
         except FileExistsError:
             continue
+        except (OSError, ValueError) as exc:
+            raise output_path_error(path, exc) from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -80,7 +131,9 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
     """Replace file `path` by what `fill(temp_path)` writes there, so that a crash at any moment leaves the
     old file or the complete new one (for writers that want a path rather than bytes: GGUF, big files)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(path)
+    if os.path.isdir(path):  # os.path's: False, not an OSError, for a name the file system refuses
+        raise OutputPathError(f"output {path} is a directory; a file is written there")
     remove_stale_temps(path, ".tmp")
     tmp_name = _make_temp(path, ".tmp", directory=False)
     try:
@@ -189,11 +242,11 @@ def atomic_write_directory(path: str | Path, fill: Callable[[Path], object]) -> 
     path -> .NAME.old, temp -> path. A crash between them leaves .NAME.old complete; readers use it
     (readable_directory) and the next save of `path` renames it back before anything else."""
     path = Path(path)
+    make_parent(path)
     if path.is_symlink():
         path = path.resolve()
     if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"{path} exists and is not a directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
+        raise OutputPathError(f"output {path} exists and is not a directory; a directory is written there")
     _recover_directory(path)
     tmp = _make_temp(path, ".tmpdir", directory=True)
     backup = _backup_path(path)
@@ -226,10 +279,15 @@ def ensure_writable_directory(directory: str | Path, what: str) -> Path:
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        if not directory.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
         probe = _make_temp(directory / ".write-test", ".tmp", directory=False)
         probe.unlink()
-    except OSError as exc:
-        raise EdgetrainError(f"{what} {directory} is not a writable directory ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:
+        blocker = _first_existing_ancestor(directory / ".write-test")
+        where = f": {blocker} is a file" if not blocker.is_dir() else ""
+        reason = "" if where else f" ({exc.strerror or exc})" if isinstance(exc, OSError) else f" ({exc})"
+        raise OutputPathError(f"{what} {directory} is not a writable directory{where}{reason}") from None
     return directory
 
 
