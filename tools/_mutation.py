@@ -49,7 +49,7 @@ NON_FINITE = "tests/reliability/test_non_finite.py"
 
 TARGETS: dict[str, Target] = {
     "checkpoint": Target(["edgetrain/training/checkpoint.py", "edgetrain/files/atomic.py"], [
-        KILLS, "tests/reliability/test_crash_safe_saves.py",
+        KILLS, "tests/reliability/test_crash_safe_saves.py", "tests/reliability/test_output_paths.py",
         "tests/reliability/test_fuzz_loaders.py::test_damaged_learner_checkpoint_is_detected",
         "tests/test_learner.py::test_save_load_resumes_exactly",
         "tests/test_learner.py::test_adam_state_survives_checkpoint",

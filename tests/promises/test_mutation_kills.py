@@ -232,3 +232,15 @@ def test_subnet_wire_bytes_are_a_ring_all_reduce(members: int, payload: int, exp
     from edgetrain.recipes.subnet_dp.averaging import _ring_wire_bytes
 
     assert _ring_wire_bytes(payload, members) == expected
+
+
+def test_mezo_refuses_an_epsilon_its_parameters_dtype_cannot_hold_and_takes_the_largest_it_can():
+    # theta + eps z is computed in the parameters' dtype: float16 holds at most 65504. An epsilon past it
+    # is refused by name when the method is built (not inside torch at the first step); 65504 itself is
+    # representable and is taken. Integer buffers and parameters are not the check's business.
+    model = nn.Sequential(nn.Linear(3, 2)).to(torch.float16)
+    with pytest.raises(edgetrain.EdgetrainError, match=r"mezo: epsilon 100000\.0 is beyond what 0\.weight's "
+                                                        r"torch\.float16 holds"):
+        METHODS.get("mezo")(model, epsilon=1e5)
+    assert METHODS.get("mezo")(model, epsilon=65504.0).epsilon == 65504.0
+    assert METHODS.get("mezo")(nn.Linear(3, 2), epsilon=1e5).epsilon == 1e5  # float32 holds it
