@@ -37,8 +37,6 @@ def output_path_error(path: Path, exc: OSError | ValueError, what: str = "output
     """The named error for writing `path` failing with `exc` at its directory (creating it, or a file in it)."""
     if isinstance(exc, ValueError):  # a NUL byte: no file system takes it
         return OutputPathError(f"{what} {str(path)!r} cannot be written: {exc}")
-    if isinstance(exc, OutputPathError):
-        return exc
     blocker = _first_existing_ancestor(path)
     if not blocker.is_dir():
         kind = "a file" if blocker.is_file() else "not a directory"
@@ -285,9 +283,10 @@ def ensure_writable_directory(directory: str | Path, what: str) -> Path:
         probe.unlink()
     except (OSError, ValueError) as exc:
         blocker = _first_existing_ancestor(directory / ".write-test")
-        where = f": {blocker} is a file" if not blocker.is_dir() else ""
-        reason = "" if where else f" ({exc.strerror or exc})" if isinstance(exc, OSError) else f" ({exc})"
-        raise OutputPathError(f"{what} {directory} is not a writable directory{where}{reason}") from None
+        if not blocker.is_dir():
+            raise OutputPathError(f"{what} {directory} is not a writable directory: {blocker} is a file") from None
+        reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
+        raise OutputPathError(f"{what} {directory} is not a writable directory ({reason})") from None
     return directory
 
 
