@@ -149,11 +149,11 @@ def flatten_optimizer_state(state: dict) -> tuple[dict[str, torch.Tensor], dict]
 
 def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
     state: dict[int, dict[str, object]] = {}
-    for name, value in tensors.items():
-        if name.startswith("optimizer/"):
-            _, index, key = name.split("/", 2)
-            state.setdefault(int(index), {})[key] = value
     try:
+        for name, value in tensors.items():
+            if name.startswith("optimizer/"):
+                _, index, key = name.split("/", 2)
+                state.setdefault(int(index), {})[key] = value
         for index, values in rest["scalars"].items():
             state.setdefault(int(index), {}).update(values)
         return {"state": state, "param_groups": rest["param_groups"]}

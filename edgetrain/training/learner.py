@@ -336,7 +336,9 @@ class Learner:
             snapshot, point, self.method_name, self.method_options, self.method = before
             self.restore_snapshot(snapshot)
             self.engine.roll_back_restore(self, point)
-            if isinstance(exc, Exception) and not isinstance(exc, EdgetrainError):
+            # Everything that could be checked was: what still fails to apply is the file's content, and
+            # resume falls back past it as past a damaged file.
+            if isinstance(exc, Exception) and not isinstance(exc, CorruptCheckpointError):
                 raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
             raise
         self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]

@@ -22,6 +22,9 @@ from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
 from edgetrain.methods.base import NonFiniteError
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.checkpoint import CorruptCheckpointError
+from edgetrain.training.checkpoint_content import check_saved_tensor
+from edgetrain.training.schedules import ScheduleError, check_learning_rate
 
 CHECKPOINT_FORMAT = "edgetrain-mlx-learner-1"
 
@@ -208,17 +211,28 @@ class MLXEngine:
         return tensors, {}
 
     def check_restore(self, learner: Any, tensors: dict[str, Any], state: dict, source: str) -> Any:
+        """The checkpoint's weights and optimizer state as MLX arrays, after checking each against the
+        learner's (CorruptCheckpointError, so that resume falls back to the previous checkpoint): there,
+        of the same shape, finite, floating point (the step count a whole number >= 0), the learning rate in
+        range. (Weights are saved widened to float32 where numpy has no dtype of theirs: bfloat16.)"""
         restored = {}
         for name, param in learner.params.items():
-            saved = tensors.get(f"param/{name}")
-            if saved is None or tuple(saved.shape) != tuple(param.shape):
-                raise EdgetrainError(f"{source}: parameter {name!r} is missing or has the wrong shape")
+            saved = check_saved_tensor(tensors.get(f"param/{name}"), f"parameter {name!r}", tuple(param.shape),
+                                       source)
             restored[name] = mx.array(saved.float().numpy()).astype(param.dtype)
         restored_state = {}
         for name, value in _flatten_state(learner.optimizer.optimizer.state).items():
-            saved = tensors.get(f"optimizer/{name}")
-            if saved is None or tuple(saved.shape) != tuple(value.shape):
-                raise EdgetrainError(f"{source}: optimizer state {name!r} is missing or has the wrong shape")
+            what = f"optimizer state {name!r}"
+            floating = mx.issubdtype(value.dtype, mx.floating)
+            saved = check_saved_tensor(tensors.get(f"optimizer/{name}"), what, tuple(value.shape), source,
+                                       floating=floating)
+            if not floating and (saved.is_floating_point() or saved.is_complex() or bool((saved < 0).any())):
+                raise CorruptCheckpointError(f"{source}: {what} is {saved.tolist()!r}, not a whole number >= 0")
+            if name == "learning_rate":
+                try:
+                    check_learning_rate(float(saved.reshape(-1)[0]) if saved.numel() else None, what)
+                except ScheduleError as exc:
+                    raise CorruptCheckpointError(f"{source}: {exc}") from None
             restored_state[name] = mx.array(saved.numpy()).astype(value.dtype)
         return restored, restored_state
 

@@ -16,6 +16,7 @@ from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.methods.base import METHODS, NonFiniteError, trainable_parameters
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.checkpoint import unflatten_optimizer_state
+from edgetrain.training.checkpoint_content import check_optimizer_state, check_saved_tensor
 from edgetrain.training.losses import task_loss
 from edgetrain.training.step_memory import StepMemory
 
@@ -185,11 +186,21 @@ class TorchEngine:
         return checkpoint_tensors(learner)
 
     def check_restore(self, learner: Any, tensors: dict[str, torch.Tensor], state: dict, source: str) -> dict:
+        """The checkpoint's optimizer state, after checking everything it holds against the learner
+        (CorruptCheckpointError, so that resume falls back to the previous checkpoint)."""
         for name, param in learner.params.items():
-            saved = tensors.get(f"param/{name}")
-            if saved is None or saved.shape != param.shape:
-                raise EdgetrainError(f"{source}: parameter {name!r} is missing or has the wrong shape")
-        return unflatten_optimizer_state(tensors, state["optimizer"])
+            check_saved_tensor(tensors.get(f"param/{name}"), f"parameter {name!r}", tuple(param.shape), source,
+                               dtype=param.dtype)
+        for name, buffer in state_buffers(learner.model).items():
+            if f"buffer/{name}" in tensors:
+                check_saved_tensor(tensors[f"buffer/{name}"], f"buffer {name!r}", tuple(buffer.shape), source,
+                                   dtype=buffer.dtype)
+        rng = torch.get_rng_state()
+        check_saved_tensor(tensors.get("rng/torch"), "the RNG state", tuple(rng.shape), source, dtype=rng.dtype)
+        optimizer_state = unflatten_optimizer_state(tensors, state["optimizer"])
+        shapes = [tuple(p.shape) for group in learner.optimizer.param_groups for p in group["params"]]
+        check_optimizer_state(optimizer_state, learner.optimizer.state_dict(), shapes, source)
+        return optimizer_state
 
     def restore_point(self, learner: Any) -> Any:
         return torch.get_rng_state(), {name: b.clone() for name, b in state_buffers(learner.model).items()}
