@@ -2,8 +2,8 @@
 
 A reader never sees a torn write. Files are written to a temp sibling, fsynced and renamed over the target;
 directories whose files must match (an adapter's weights and config, ONNX Runtime's artifacts) are built in
-a temp sibling and swapped in whole (`atomic_write_directory`). Temps left by killed writers are cleaned up
-on the next save. Checksummed checkpoints on top of these writes live in edgetrain.training.checkpoint.
+a temp sibling and swapped in whole (`atomic_write_directory`). Temps left by killed writers, of any file,
+are removed by the next write into their directory (only edgetrain's own temp names, only dead writers'). Checksummed checkpoints on top of these writes live in edgetrain.training.checkpoint.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,19 +67,34 @@ def make_parent(path: Path, what: str = "output") -> None:
         raise output_path_error(path, exc, what) from None
 
 
-# Temp names carry the writer's pid, so the next save of the same path can tell a temp left by a killed
-# writer (removed) from one a live writer is still filling (kept).
+# Temp names carry the writer's pid, so that a later write into the same directory can tell a temp left by
+# a killed writer (removed) from one a live writer is still filling (kept).
 
 def _temp_pattern(name: str, suffix: str) -> re.Pattern[str]:
     # .NAME.PID.8HEX.SUFFIX: no other file's temp matches (the 8 hex digits hold no dot).
     return re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]{{8}}{re.escape(suffix)}")
 
 
+# Any temp of edgetrain's naming, whatever file it was for: a checkpoint's name changes with its step, so a
+# temp of a killed save is rarely the temp of the next save's own path.
+_ANY_TEMP = re.compile(r"\.(.+)\.(\d+)\.[0-9a-f]{8}(\.tmp|\.tmpdir)")
+
+# The temps this process is filling now, by name (random enough to be unique, and the same however the
+# directory is spelt). A temp named with this process's pid that is not among them was
+# left by an earlier process that had the same pid: a container or an app restarted after a kill gets the
+# same pids every time, so the killed writer's pid is often the rerun's own.
+_OWN_TEMPS: set[str] = set()
+_OWN_TEMPS_LOCK = threading.Lock()
+
+
 def _make_temp(path: Path, suffix: str, directory: bool) -> Path:
     """A new temp sibling of `path`, created with mode 0666/0777 less the umask (mkstemp's are 0600/0700);
-    OutputPathError when the directory takes no new file (read-only, full, a name too long)."""
+    OutputPathError when the directory takes no new file (read-only, full, a name too long). Pass it to
+    _release_temp once it is renamed or removed."""
     while True:
         tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+        with _OWN_TEMPS_LOCK:
+            _OWN_TEMPS.add(tmp.name)
         try:
             if directory:
                 os.mkdir(tmp, 0o777)
@@ -86,21 +102,86 @@ def _make_temp(path: Path, suffix: str, directory: bool) -> Path:
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return tmp
         except FileExistsError:
+            _release_temp(tmp)
             continue
-        except (OSError, ValueError) as exc:
-            raise output_path_error(path, exc) from None
+        except BaseException as exc:
+            _release_temp(tmp)
+            if isinstance(exc, (OSError, ValueError)):
+                raise output_path_error(path, exc) from None
+            raise
 
 
-def _pid_alive(pid: int) -> bool:
+def _release_temp(tmp: Path) -> None:
+    with _OWN_TEMPS_LOCK:
+        _OWN_TEMPS.discard(Path(tmp).name)
+
+
+def _linux_process(pid: int) -> tuple[str, float] | None:
+    """(state, start time in seconds since the epoch) of process `pid` from /proc, or None where /proc
+    cannot say (not Linux, or no such process: _pid_alive then asks the kernel)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as handle:
+            boot = next(float(line.split()[1]) for line in handle if line.startswith(b"btime "))
+        return fields[0].decode(), boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
+# How much earlier than a process's start a temp's last write may look and still be that process's: the
+# clocks of a file's mtime and of a process's start are read differently (and coarsely).
+_START_SLACK_SECONDS = 5.0
+
+
+def _pid_alive(pid: int, written_at: float | None = None) -> bool:
+    """Whether the writer with `pid` may still be at work on a temp last written at `written_at` (its
+    mtime): a live process that is not a zombie and, where /proc tells, that started before that write
+    (a pid taken again by a process started later is not the writer)."""
     if pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # PermissionError: someone else's live process
+    except (OSError, OverflowError):  # PermissionError: someone else's live process
+        pass
+    process = _linux_process(pid)
+    if process is None:
         return True
-    return True
+    state, started = process
+    if state in ("Z", "X"):  # killed, not yet reaped by its parent: it writes nothing more
+        return False
+    return written_at is None or started <= written_at + _START_SLACK_SECONDS
+
+
+def _stale(entry: os.DirEntry, pid: int, suffix: str) -> bool:
+    """A temp of edgetrain's naming whose writer is gone: the right kind (a .tmp a plain file, a .tmpdir a
+    directory, neither a symlink), and its pid is not a live writer that could still be filling it."""
+    try:
+        kind_ok = entry.is_dir(follow_symlinks=False) if suffix == ".tmpdir" else entry.is_file(follow_symlinks=False)
+        if not kind_ok:
+            return False
+        written_at = entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return False
+    if pid == os.getpid():
+        with _OWN_TEMPS_LOCK:
+            return entry.name not in _OWN_TEMPS
+    return not _pid_alive(pid, written_at)
+
+
+def remove_stale_temps_in(directory: Path) -> None:
+    """Remove from `directory` every temp of edgetrain's naming (.NAME.PID.8HEX.tmp / .tmpdir, for any NAME)
+    left by a writer no longer alive; any other file, and the temps of live writers, are kept."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        match = _ANY_TEMP.fullmatch(entry.name)
+        if match and _stale(entry, int(match.group(2)), match.group(3)):
+            _remove(Path(entry.path))
 
 
 def remove_stale_temps(path: Path, suffix: str, name_pattern: str | None = None) -> None:
@@ -114,7 +195,7 @@ def remove_stale_temps(path: Path, suffix: str, name_pattern: str | None = None)
         return
     for entry in entries:
         match = pattern.fullmatch(entry.name)
-        if match and not _pid_alive(int(match.group(match.lastindex))):
+        if match and _stale(entry, int(match.group(match.lastindex)), suffix):
             _remove(Path(entry.path))
 
 
@@ -132,7 +213,7 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
     make_parent(path)
     if os.path.isdir(path):  # os.path's: False, not an OSError, for a name the file system refuses
         raise OutputPathError(f"output {path} is a directory; a file is written there")
-    remove_stale_temps(path, ".tmp")
+    remove_stale_temps_in(path.parent)
     tmp_name = _make_temp(path, ".tmp", directory=False)
     try:
         if path.is_file():
@@ -147,6 +228,8 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+    finally:
+        _release_temp(tmp_name)
     fsync_directory(path.parent)
     return path
 
@@ -208,7 +291,7 @@ def _recover_directory(path: Path) -> None:
             shutil.rmtree(backup, ignore_errors=True)
         else:  # killed between the renames: put the previous complete version back
             os.replace(backup, path)
-    remove_stale_temps(path, ".tmpdir")
+    remove_stale_temps_in(path.parent)
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -266,6 +349,8 @@ def atomic_write_directory(path: str | Path, fill: Callable[[Path], object]) -> 
             os.replace(backup, path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _release_temp(tmp)
     fsync_directory(path.parent)
     shutil.rmtree(backup, ignore_errors=True)
     return path
@@ -280,7 +365,10 @@ def ensure_writable_directory(directory: str | Path, what: str) -> Path:
         if not directory.is_dir():
             raise NotADirectoryError(20, "Not a directory")
         probe = _make_temp(directory / ".write-test", ".tmp", directory=False)
-        probe.unlink()
+        try:
+            probe.unlink()
+        finally:
+            _release_temp(probe)
     except (OSError, ValueError) as exc:
         blocker = _first_existing_ancestor(directory / ".write-test")
         if not blocker.is_dir():

@@ -75,12 +75,17 @@ def test_rotation_orders_checkpoints_by_step_number_past_eight_digits(tmp_path):
 def test_temps_left_by_a_killed_checkpoint_writer_are_removed_at_the_next_save(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    orphan = tmp_path / f".step-00000004.safetensors.{dead}.0123abcd.tmp"
-    live = tmp_path / f".step-00000005.safetensors.{os.getpid()}.0123abcd.tmp"  # a writer still at work
-    for path in (orphan, live):
-        path.write_bytes(b"half a checkpoint")
-    save_rotating({"w": torch.zeros(2)}, {}, tmp_path, 6)
-    assert not orphan.exists() and live.exists()
+    writer = subprocess.Popen(["sleep", "60"])  # another process, still at work on its temp
+    try:
+        orphan = tmp_path / f".step-00000004.safetensors.{dead}.0123abcd.tmp"
+        live = tmp_path / f".step-00000005.safetensors.{writer.pid}.0123abcd.tmp"
+        for path in (orphan, live):
+            path.write_bytes(b"half a checkpoint")
+        save_rotating({"w": torch.zeros(2)}, {}, tmp_path, 6)
+        assert not orphan.exists() and live.exists()
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 def test_fit_refuses_a_checkpoint_directory_it_cannot_write_before_any_step(tmp_path):
