@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY = {
     "MODEL_PRESETS": "edgetrain.models", "load_model": "edgetrain.models",
+    "LoadOptions": "edgetrain.models.load_options",
     "LoraConfig": "edgetrain.models.lora", "add_lora": "edgetrain.adapters.portable",
     "load_lora": "edgetrain.models.lora", "merge_lora": "edgetrain.models.lora", "save_lora": "edgetrain.adapters.portable",
     "unmerge_lora": "edgetrain.models.lora",
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from edgetrain.training.learner import Learner
     from edgetrain.training.stats import StepStats
     from edgetrain.models import MODEL_PRESETS, load_model
+    from edgetrain.models.load_options import LoadOptions
     from edgetrain.models.generate import generate, held_out_loss
     from edgetrain.adapters.portable import add_lora, save_lora
     from edgetrain.models.lora import LoraConfig, load_lora, merge_lora, unmerge_lora
@@ -41,5 +43,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["EdgetrainError", "Learner", "StepStats", "LoraConfig", "MODEL_PRESETS", "Personaliser", "add_lora",
+__all__ = ["EdgetrainError", "Learner", "StepStats", "LoadOptions", "LoraConfig", "MODEL_PRESETS", "Personaliser", "add_lora",
            "generate", "held_out_loss", "load_lora", "load_model", "merge_lora", "save_lora", "unmerge_lora", "__version__"]

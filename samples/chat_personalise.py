@@ -25,6 +25,7 @@ from typing import Any
 
 from edgetrain.data.chat_template import chat_template_for
 from edgetrain.models.generate import generate
+from edgetrain.models.load_options import LoadOptions, add_load_flags
 from edgetrain.personalise import Personaliser, Policy
 
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=48, help="longest reply, in tokens")
     parser.add_argument("--window-steps", type=int, default=10, help="training steps between promotion gates")
     parser.add_argument("--seq", type=int, default=128, help="training sequence length")
+    add_load_flags(parser, dtype_default=None)  # the base is kept packed unless --dequantize
     return parser
 
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     events: "queue.Queue[dict]" = queue.Queue()
     personaliser = Personaliser(args.store, model=args.model, method=args.method, window_steps=args.window_steps,
                                 seq_len=args.seq, checkpoint_every=2, policy=Policy(require_idle=True),
-                                on_event=events.put)
+                                on_event=events.put, load=LoadOptions.asked_for(args))
     chat = Chat(personaliser, args.max_tokens)
     chat.refresh()
     status = personaliser.status()

@@ -34,7 +34,8 @@ class Backend:
     # (model, bits): quantise a loaded model's base (load_model(quantize_bits=...)); None where it cannot
     quantizer: str | None = "edgetrain.models.quantize:quantize_base"
     loader_quantizes: bool = False   # its loader takes quantize_bits (block by block: never all weights dense)
-    # (path, dtype, device): a GGUF with its 4/8-bit blocks kept as stored; None where that is the only way
+    # (path, dtype, device): a GGUF with its 4/8-bit matrices kept as stored (load_model's default for a
+    # GGUF; `loader` dequantises one); None where a backend cannot keep them packed
     packed_gguf_loader: str | None = "edgetrain.models.gguf:load_packed_gguf"
     loads_gguf: bool = True                             # its loader reads llama.cpp GGUF files
     reads_text_out: bool = True                         # text_out runs its models (generate, eval)
@@ -56,7 +57,8 @@ class Backend:
 
     def load_packed_gguf(self, path: Any, dtype: Any, device: Any) -> Any:
         if self.packed_gguf_loader is None:
-            raise EdgetrainError(f"backend {self.name!r} keeps a GGUF's 4- and 8-bit blocks quantised by itself")
+            raise EdgetrainError(f"backend {self.name!r} cannot keep a GGUF's 4- and 8-bit weights packed: load it "
+                                 "with --dequantize (LoadOptions(dequantize=True))")
         return _resolve(self.packed_gguf_loader)(path, dtype=dtype, device=device)
 
     def method_registry(self) -> Any:

@@ -13,7 +13,24 @@ from __future__ import annotations
 import argparse
 import json
 
+from collections.abc import Iterator
+from typing import Any
+
 from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter, text_functions
+from edgetrain.models.load_options import LoadOptions
+
+# Without a terminal (no bar), a long evaluation says how far it is at every tenth of its batches.
+_LOG_FRACTION = 10
+
+
+def counted(batches: Iterator[Any], bar: Any, log: Any, total: int) -> Iterator[Any]:
+    """`batches`, advancing `bar` after each and logging every tenth of `total` when no bar is shown."""
+    every = max(total // _LOG_FRACTION, 1)
+    for done, batch in enumerate(batches, start=1):
+        yield batch
+        bar.update()
+        if getattr(bar, "disable", True) and done % every == 0 and done < total:
+            log.info("evaluated %d of %d batches", done, total)
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -34,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
     from edgetrain.data.tokenizer import model_tokenizer
     from edgetrain.registry import EdgetrainError
     from edgetrain.utils.logs import get_logger
+    from edgetrain.utils.progress import progress_bar
 
     if args.max_batches is not None and args.max_batches < 1:
         raise EdgetrainError(f"--max-batches must be at least 1, got {args.max_batches}")
@@ -41,9 +59,13 @@ def main(args: argparse.Namespace) -> int:
     model = load_model_and_adapter(args)
     stream = text_stream(args.seq, args.batch, paths=args.data, tokenizer=model_tokenizer(model),
                          vocab_size=model.config.vocab_size, epochs=1)
-    batches = itertools.islice(iter(stream), args.max_batches)
-    result = text.held_out_loss(model, batches)
-    get_logger(__name__).info("held-out loss %.4f nats/token, perplexity %.3f over %d tokens (%s)", result.loss,
+    total = min(stream.batches_per_epoch, args.max_batches or stream.batches_per_epoch)
+    log = get_logger(__name__)
+    log.info("evaluating %d batch(es) of %d x %d tokens from %s (base %s)", total, args.batch, args.seq,
+             stream.source, LoadOptions.from_args(args).describe())
+    with progress_bar(total, description="eval", unit="batch", enabled=not args.quiet) as bar:
+        result = text.held_out_loss(model, counted(itertools.islice(iter(stream), total), bar, log, total))
+    log.info("held-out loss %.4f nats/token, perplexity %.3f over %d tokens (%s)", result.loss,
                               result.perplexity, result.tokens, stream.source)
     print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
                       "batches": result.batches}))

@@ -23,13 +23,15 @@ def _gguf_base(model_arg: str) -> Path:
 def write_merged(args: argparse.Namespace) -> int:
     import edgetrain
     from edgetrain.export.merged import MergeError, save_merged_gguf, save_merged_hf
+    from edgetrain.models.load_options import LoadOptions
     from edgetrain.models import parse_dtype
 
     if args.adapter is None:
         raise MergeError("--merge needs --adapter (the adapter to merge into --model)")
     to_gguf = str(args.out).lower().endswith(".gguf")
     base = _gguf_base(args.model) if to_gguf else args.model
-    model = edgetrain.load_model(base, adapter=args.adapter)
+    # Merged weights are dense: the base is read dequantised, whatever its file stores packed.
+    model = edgetrain.load_model(base, adapter=args.adapter, options=LoadOptions(dequantize=True))
     if to_gguf:
         written = save_merged_gguf(model, base, args.out, args.merge_dtype or "f16")
     else:

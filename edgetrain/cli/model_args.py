@@ -6,12 +6,14 @@ import argparse
 from types import ModuleType
 from typing import Any
 
+from edgetrain.models.load_options import LoadOptions, add_load_flags
+
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny",
                         help="preset, pretrained name (edgetrain list models), checkpoint directory or .gguf file")
     parser.add_argument("--backend", default="torch-cpu")
-    parser.add_argument("--dtype", default="float32")
+    add_load_flags(parser)
     parser.add_argument("--adapter", default=None,
                         help="a LoRA adapter to apply: edgetrain's .safetensors (what train --save-adapter "
                              "wrote), a PEFT or an mlx-lm adapter directory")
@@ -37,7 +39,7 @@ def load_model_and_adapter(args: argparse.Namespace) -> Any:
     from edgetrain.registry import EdgetrainError
 
     backend = get_backend(args.backend)
-    model = edgetrain.load_model(args.model, backend=args.backend, dtype=args.dtype)
+    model = edgetrain.load_model(args.model, backend=args.backend, options=LoadOptions.from_args(args))
     if getattr(model, "task", None) != "lm":
         raise EdgetrainError(f"--model {args.model}: a {type(model).__name__} is not a language model")
     if args.adapter is not None:

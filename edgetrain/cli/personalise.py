@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edgetrain.models.load_options import LoadOptions, add_load_flags
+
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", required=True, metavar="DIR", help="the store directory (created by the first add or run)")
@@ -50,6 +52,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     run.add_argument("--method", default=None, help="training method (default: the store's, or mebp for "
                                                     "decoders and bp for classifiers)")
     run.add_argument("--backend", default="torch-cpu")
+    add_load_flags(run, dtype_default=None)
     run.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     run.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds")
     run.add_argument("--require-power", action="store_true", help="train only on external power")
@@ -107,6 +110,7 @@ def _is_jsonl_text(text: str) -> bool:
 
 def read_examples(paths: list[str], fmt: str = "auto", stdin: Any = None) -> list[Any]:
     """The examples in the files the command names, in order (a bad one is a BadExampleError naming it)."""
+    from edgetrain.data.binary import check_text_file
     from edgetrain.personalise.errors import BadExampleError
     from edgetrain.personalise.examples import parse_example
 
@@ -119,6 +123,7 @@ def read_examples(paths: list[str], fmt: str = "auto", stdin: Any = None) -> lis
             path = Path(name)
             if not path.is_file():
                 raise BadExampleError(f"{name}: no such file")
+            check_text_file(path)  # binary input is refused by name, as by every text reader (edgetrain.data.binary)
             try:
                 text = path.read_text(encoding="utf-8")
             except UnicodeDecodeError as exc:
@@ -247,7 +252,7 @@ def _run(args: argparse.Namespace) -> int:
                       lr=args.lr, batch_size=args.batch, seq_len=args.seq, window_steps=args.window_steps,
                       checkpoint_every=args.checkpoint_every, keep_versions=args.keep, margin=args.margin,
                       holdout_every=args.holdout_every, policy=policy, chat_template=template,
-                      on_event=_event_logger()) as personaliser:
+                      on_event=_event_logger(), load=LoadOptions.asked_for(args)) as personaliser:
         result = personaliser.run(max_steps=args.max_steps, max_seconds=args.max_seconds, wait=args.wait)
         served = personaliser.served_version()
     print(json.dumps({"steps": result.steps, "windows": result.windows, "promoted": result.promoted,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from edgetrain.models.load_options import add_load_flags
+
 # The first method is the ratio reference. mesp needs a LoRA decoder; the forward-gradient methods
 # train every weight of small vision/text classifiers.
 DEFAULT_METHODS = {"lm": "bp,mebp,mezo,mesp", "classify": "bp,mebp,mezo,fgd,asyncfgd"}
@@ -41,13 +43,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (more on a GPU: its first "
                                                               "steps choose kernels and grow the allocator's pools)")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    add_load_flags(parser)
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
-    parser.add_argument("--quantize-bits", type=int, default=None, metavar="N",
-                        help="base weights quantised to N bits on load (4: the MeSP paper's setup; groups of 64 "
-                             "where the width allows, else 32), dequantised one layer at a time")
-    parser.add_argument("--quantized", action="store_true",
-                        help="torch: keep a GGUF model's Q4_0/Q4_1/Q8_0 weights packed as stored")
+    # Packed is the default now; the old switch stays accepted so that scripts keep working.
+    parser.add_argument("--quantized", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-fidelity", action="store_true",
                         help="skip the gradient comparison with the fp64 reference (bp on a float64 copy)")
     parser.add_argument("--target", default=None, help="device profile from targets/ (budget warning)")
@@ -76,11 +75,10 @@ def main(args: argparse.Namespace) -> int:
 
     backend = get_backend(args.backend)
     methods_here = backend.method_registry()
-    if args.quantized and backend.packed_gguf_loader is None:
+    if args.quantized and args.dequantize:
         from edgetrain.registry import EdgetrainError
 
-        raise EdgetrainError(f"--quantized keeps a GGUF's blocks packed on torch; {args.backend!r} keeps them "
-                             "quantised by itself")
+        raise EdgetrainError("--quantized (kept packed: the default) and --dequantize ask for opposite bases")
     if args.quantize_bits is not None and not backend.quantized_base:
         from edgetrain.registry import EdgetrainError
 
@@ -110,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
                                    batch=args.batch, rank=args.rank, steps=args.steps, warmup=args.warmup,
                                    dtype=args.dtype,
                                    layers=args.layers, fidelity=not args.no_fidelity,
-                                   quantize_bits=args.quantize_bits, quantized=args.quantized)
+                                   quantize_bits=args.quantize_bits, dequantize=args.dequantize)
             records.append(run_isolated(config, on_progress=lambda line: log.info("    %s", line)))
             bar.update()
     print(format_table(records))

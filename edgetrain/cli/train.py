@@ -11,11 +11,15 @@ import json
 import os
 from typing import Callable
 
+from edgetrain.models.load_options import LoadOptions, add_load_flags
+
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    parser.add_argument("--model", default="tiny",
+                        help="preset, pretrained name (edgetrain list models), checkpoint directory or .gguf file")
     parser.add_argument("--method", default="mebp")
     parser.add_argument("--backend", default="torch-cpu")
+    add_load_flags(parser)
     parser.add_argument("--data", default="text", help="stream name: text, digits, fashion-mnist")
     parser.add_argument("--files", nargs="*", default=None,
                         help="text stream: text (*.txt) or JSONL (*.jsonl) files, or directories of them")
@@ -118,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
     backend = get_backend(args.backend)
     _check_outputs(args, backend)
     add_lora, save_adapter = backend.adapter_functions()
-    model = edgetrain.load_model(args.model, backend=args.backend)
+    model = edgetrain.load_model(args.model, backend=args.backend, options=LoadOptions.from_args(args))
     stream_options = {"batch_size": args.batch, "seed": args.seed}
     if getattr(model, "task", None) == "lm":
         from edgetrain.data.tokenizer import model_tokenizer

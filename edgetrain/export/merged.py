@@ -63,6 +63,13 @@ def _require_decoder(model: nn.Module) -> LlamaConfig:
     config = getattr(model, "config", None)
     if not isinstance(config, LlamaConfig) or config.model_type not in HF_ARCHITECTURES:
         raise MergeError(f"merging needs a llama or qwen2 decoder; got {type(model).__name__}")
+    from edgetrain.models.quantized import PackedMatrix, TiedQuantizedHead
+
+    packed = [name for name, module in model.named_modules() if isinstance(module, (PackedMatrix, TiedQuantizedHead))]
+    if packed:
+        raise MergeError(f"the model's base is held packed ({packed[0]}, {len(packed)} matrices): merged weights are "
+                         "dense, so load the base with LoadOptions(dequantize=True) (what `edgetrain export --merge` "
+                         "does) and merge into that")
     return config
 
 

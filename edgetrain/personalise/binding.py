@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from edgetrain.models.load_options import LoadOptions
 from edgetrain.personalise.errors import BadExampleError, ModelMismatchError, PersonaliseError, StoreBusyError, \
     WrongKindError
 from edgetrain.personalise.examples import ModelKind, example_from_body
@@ -28,8 +29,13 @@ def check_holdout_every(holdout_every: int | None) -> None:
         raise PersonaliseError(f"holdout_every must be a whole number >= 2, got {holdout_every!r}")
 
 
+def bound_load_options(directory: Path, bound: dict[str, Any]) -> LoadOptions:
+    """How the store's base is held (a store from before the options were recorded: the default)."""
+    return LoadOptions.from_record(bound.get("load"), f"store {directory}")
+
+
 def check_bound(directory: Path, bound: dict[str, Any], model: str | Path | None, method: str | None,
-                holdout_every: int | None) -> None:
+                holdout_every: int | None, load: LoadOptions | None = None) -> None:
     """ModelMismatchError when what was asked for is not what the store in `directory` was bound to."""
     if model is not None and model_key(model) != bound["name"]:
         raise ModelMismatchError(f"store {directory} personalises {bound['name']!r}, not "
@@ -40,6 +46,10 @@ def check_bound(directory: Path, bound: dict[str, Any], model: str | Path | None
     if holdout_every is not None and holdout_every != bound["holdout_every"]:
         raise ModelMismatchError(f"store {directory} holds out one example in {bound['holdout_every']}; "
                                  f"holdout_every={holdout_every} would train on held-out examples")
+    held = bound_load_options(directory, bound)
+    if load is not None and load != held:
+        raise ModelMismatchError(f"store {directory} holds its base {held.describe()}, not {load.describe()}: every "
+                                 "window and served model uses the base the store was created with")
 
 
 def check_method(backend_name: str, method: str) -> None:
@@ -57,19 +67,21 @@ def make_kind(kind: ModelKind, backend_name: str, seq_len: int, chat_template: s
     return ClassifierKind(kind)
 
 
-def load_base(name: str, backend_name: str, seed: int) -> Any:
-    """The base model, the same weights in every process (presets are random init: seeded)."""
+def load_base(name: str, backend_name: str, seed: int, load: LoadOptions) -> Any:
+    """The base model, the same weights in every process (presets are random init: seeded), held as `load`
+    says (a GGUF's 4- and 8-bit weights packed by default)."""
     import torch
 
     import edgetrain
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return edgetrain.load_model(name, backend=backend_name)
+        return edgetrain.load_model(name, backend=backend_name, options=load)
 
 
 def bind(store: Store, directory: Path, model: str | Path, loaded: Any, kind: ModelKind, trainer: Any, *,
-         method: str | None, holdout_every: int | None, lora: dict[str, Any], backend_name: str) -> None:
+         method: str | None, holdout_every: int | None, lora: dict[str, Any], backend_name: str,
+         load: LoadOptions) -> None:
     """Bind the store to `model` (`loaded`, trained by `trainer`): check the method, add the adapters, save
     the base a window starts from and record the binding, provided every example in the store suits the kind."""
     method = method or trainer.default_method
@@ -80,7 +92,7 @@ def bind(store: Store, directory: Path, model: str | Path, loaded: Any, kind: Mo
     base.parent.mkdir(exist_ok=True)
     trainer.save(loaded, base)
     record = {"name": model_key(model), "method": method, "kind": kind.to_dict(), "lora": lora,
-              "holdout_every": holdout_every or 5, "created_backend": backend_name,
+              "holdout_every": holdout_every or 5, "created_backend": backend_name, "load": load.to_record(),
               "base": str(base.relative_to(directory))}
     with store.transaction() as connection:
         if store.get_meta("model", None, connection) is not None:

@@ -28,7 +28,9 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
-from edgetrain.personalise.binding import bind, check_bound, check_holdout_every, load_base, make_kind
+from edgetrain.models.load_options import LoadOptions
+from edgetrain.personalise.binding import (bind, bound_load_options, check_bound, check_holdout_every, load_base,
+                                           make_kind)
 from edgetrain.personalise.errors import PersonaliseError
 from edgetrain.personalise.events import EventCallback, EventLog
 from edgetrain.personalise.examples import ModelKind, is_held_out
@@ -66,6 +68,10 @@ class Personaliser:
         rebuilt one is promoted (True), or serve the base model meanwhile (False, the default). Kept in the store.
     chat_template: a Jinja chat template for chat examples when the model's tokenizer has none.
     memory_budget: the learner's budget guard (bytes or "512MiB").
+    load: how the base is held (edgetrain.LoadOptions): a GGUF's 4- and 8-bit weights packed as stored by
+        default, dequantised with LoadOptions(dequantize=True), dense ones quantised with quantize_bits.
+        Recorded when the store is created, so that every window and served model uses the same base;
+        another one later is refused.
     """
 
     def __init__(self, store: str | Path, model: str | Path | None = None, *, method: str | None = None,
@@ -75,7 +81,8 @@ class Personaliser:
                  holdout_every: int | None = None, max_examples: int | None = None, max_bytes: int | None = None,
                  policy: Policy | None = None, sensors: Any = None, on_event: EventCallback | None = None,
                  serve_stale: bool | None = None, chat_template: str | None = None,
-                 memory_budget: int | str | None = None, seed: int = 0, poll_seconds: float = 0.25) -> None:
+                 memory_budget: int | str | None = None, seed: int = 0, poll_seconds: float = 0.25,
+                 load: LoadOptions | None = None) -> None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("window_steps", window_steps),
                             ("checkpoint_every", checkpoint_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,6 +105,9 @@ class Personaliser:
         self.memory_budget = memory_budget
         self.seed = seed
         self.poll_seconds = poll_seconds
+        if load is not None and not isinstance(load, LoadOptions):
+            raise PersonaliseError(f"load must be a LoadOptions (edgetrain.LoadOptions), got {type(load).__name__}")
+        self._load_requested = load
         self._lora = {"rank": rank, "alpha": alpha, **({"targets": tuple(targets)} if targets is not None else {})}
         self._model: Any = None
         self._kind: Any = None
@@ -123,7 +133,7 @@ class Personaliser:
         bound = self.bound
         check_holdout_every(holdout_every)
         if bound is not None:
-            check_bound(self.directory, bound, model, method, holdout_every)
+            check_bound(self.directory, bound, model, method, holdout_every, self._load_requested)
             return
         if model is None:
             return
@@ -131,15 +141,23 @@ class Personaliser:
         kind = model_kind(loaded)
         trainer = self._make_kind(kind)
         bind(self.store, self.directory, model, loaded, kind, trainer, method=method, holdout_every=holdout_every,
-             lora=self._lora, backend_name=self.backend_name)
+             lora=self._lora, backend_name=self.backend_name, load=self.load_options)
         self._model, self._kind = loaded, trainer
 
     def _make_kind(self, kind: ModelKind) -> Any:
         return make_kind(kind, self.backend_name, self.seq_len, self.chat_template)
 
+    @property
+    def load_options(self) -> LoadOptions:
+        """How the base is held: the store's record once bound, else what was asked for (packed by default)."""
+        bound = self.bound
+        if bound is not None:
+            return bound_load_options(self.directory, bound)
+        return self._load_requested or LoadOptions()
+
     def _load_base(self, name: str) -> Any:
         """The base model, the same weights in every process (presets are random init: seeded)."""
-        return load_base(name, self.backend_name, self.seed)
+        return load_base(name, self.backend_name, self.seed, self.load_options)
 
     def require_model(self) -> tuple[Any, Any]:
         """The training model (base + adapters of the bound config) and its kind, loaded once."""

@@ -24,8 +24,14 @@ class ProfileConfig:
     fidelity: bool = True     # compare the method's gradient with exact autograd on the same batch
     layers: int | None = None  # keep only the first N blocks (shape studies of big presets)
     method_options: dict[str, Any] = field(default_factory=dict)
-    quantize_bits: int | None = None  # base weights quantised to N bits on load (4 = the MeSP paper's)
-    quantized: bool = False           # torch: a GGUF's 4/8-bit block projections kept as stored
+    quantize_bits: int | None = None  # dense base weights quantised to N bits on load (4 = the MeSP paper's)
+    dequantize: bool = False          # a GGUF's 4/8-bit matrices held dense (default: kept packed as stored)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def load_options(self) -> Any:
+        """The LoadOptions every user path builds from the same flags (edgetrain.models.load_options)."""
+        from edgetrain.models.load_options import LoadOptions
+
+        return LoadOptions(dequantize=self.dequantize, quantize_bits=self.quantize_bits, dtype=self.dtype)

@@ -49,8 +49,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
     head = (f"model {first['model']} ({first.get('layers', '?')} blocks, {adapters}"
             f"{first.get('trainable_params', 0):,} trainable), seq {first['seq']}, batch {first['batch']}, "
             f"{first.get('dtype', '')}, {first['backend']}, "
-            + (f"{first.get('quantize_bits')}-bit base, " if first.get("quantize_bits") else "")
-            + ("base quantised as stored in the GGUF, " if first.get("quantized") else "")
+            + (f"base {first['base']}, " if first.get("base") else "")
             + (f"BLAS: {first['blas']}\n" if first.get("blas") else f"{first.get('torch_threads', '?')} threads\n")
             + f"peak = training memory above the pre-step baseline (weights excluded); footprint = what the "
             f"process holds above the framework's runtime (weights included) plus that peak; estimate = "

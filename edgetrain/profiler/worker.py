@@ -29,8 +29,7 @@ def build_model(config):
     import edgetrain
 
     torch.manual_seed(config.seed)
-    model = edgetrain.load_model(config.model, backend=config.backend, dtype=config.dtype,
-                                 quantize_bits=config.quantize_bits, quantized=config.quantized)
+    model = edgetrain.load_model(config.model, backend=config.backend, options=config.load_options())
     if config.layers is not None:
         if not 0 < config.layers <= len(model.blocks):
             raise edgetrain.EdgetrainError(f"--layers {config.layers}: the model has {len(model.blocks)} blocks")
@@ -90,6 +89,7 @@ def profile_torch_method(config) -> dict[str, Any]:
     import torch
 
     import edgetrain
+    from edgetrain.models.quantized import packed_matrix_count
     from edgetrain.probes import TensorAccountant, default_probe_name, measuring
 
     runtime_baseline = _runtime_baseline_bytes(default_probe_name(config.backend))
@@ -100,7 +100,8 @@ def profile_torch_method(config) -> dict[str, Any]:
                               "seq": config.seq, "batch": config.batch, "rank": config.rank,
                               "dtype": config.dtype, "layers": len(model.blocks),
                               "lora": getattr(model, "lora_config", None) is not None,
-                              "quantize_bits": config.quantize_bits, "quantized": config.quantized}
+                              "quantize_bits": config.quantize_bits, "dequantize": config.dequantize,
+                              "base": config.load_options().describe(), "packed_matrices": packed_matrix_count(model)}
     if config.fidelity:
         _progress(f"[{config.method}] gradient fidelity against {GRADIENT_REFERENCE}")
         record.update(gradient_fidelity(model, config.method, batch, config.method_options))

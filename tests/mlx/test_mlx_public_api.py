@@ -73,7 +73,7 @@ def test_profile_cli_with_the_mlx_backend(tmp_path):
                "--json", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "mlx, 4-bit base, BLAS: " in result.stdout
+    assert "mlx, base kept as stored, dense matrices in 4 bits, BLAS: " in result.stdout
     records = json.loads(out.read_text())
     assert [r["method"] for r in records] == ["mebp", "mesp"]
     for record in records:
@@ -82,12 +82,12 @@ def test_profile_cli_with_the_mlx_backend(tmp_path):
         assert record["grad_max_rel_err"] <= 1e-5
 
 
-def test_profile_cli_refuses_keeping_gguf_blocks_on_mlx():
-    """--quantized is torch's switch (MLX keeps a GGUF's blocks quantised always); --quantize-bits works on
-    both (tests/test_profile.py has torch's)."""
+def test_profile_cli_refuses_opposite_base_flags():
+    """--quantized (the old switch, now the default) and --dequantize contradict each other on every backend."""
     from edgetrain.cli import main
 
-    assert main(["profile", "--backend", "mlx", "--quantized", "--steps", "1"]) == 2
+    for backend in ("mlx", "torch-cpu"):
+        assert main(["profile", "--backend", backend, "--quantized", "--dequantize", "--steps", "1"]) == 2
 
 
 @requires_mlx

@@ -69,8 +69,12 @@ def test_bad_quantisation_settings_are_named_errors():
         QuantizedLinear.from_dense(torch.full((4, 32), float("nan")), 4)
     with pytest.raises(EdgetrainError, match="not a GGUF"):
         edgetrain.load_model("tiny", quantized=True)
-    with pytest.raises(EdgetrainError, match="not both"):
-        edgetrain.load_model("tiny.gguf", quantized=True, quantize_bits=4)
+    with pytest.raises(EdgetrainError, match="quantize_bits must be one of"):
+        edgetrain.load_model("tiny", quantize_bits=5)
+    with pytest.raises(EdgetrainError, match="options= or the dtype"):
+        edgetrain.load_model("tiny", quantize_bits=4, options=edgetrain.LoadOptions())
+    with pytest.raises(EdgetrainError, match="4 or 8 bits"):  # torch's quantiser names what it supports
+        edgetrain.load_model("tiny", quantize_bits=2)
 
 
 @pytest.mark.parametrize("method", ["bp", "mebp", "mesp", "mezo"])
@@ -151,7 +155,7 @@ def test_a_gguf_loads_with_its_blocks_kept_and_the_dequantised_models_logits(tmp
 
     path = write_gguf(tmp_path / "model.gguf", hf_model(arch), getattr(Q, ggml_type))
     kept = edgetrain.load_model(str(path), quantized=True)
-    dense = edgetrain.load_model(str(path))
+    dense = edgetrain.load_model(str(path), quantized=False)
     assert is_quantized(kept) and not is_quantized(dense)
     layers = [m for m in kept.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(layer.bits == (8 if ggml_type == "Q8_0" else 4) for layer in layers)
@@ -173,7 +177,7 @@ def test_a_gguf_loads_with_its_blocks_kept_and_the_dequantised_models_logits(tmp
 @pytest.mark.slow
 def test_smollm2_q4_1_kept_packed_gives_the_dequantised_logits_in_a_third_of_the_memory(smollm2_file):
     kept = edgetrain.load_model(str(smollm2_file), quantized=True)
-    dense = edgetrain.load_model(str(smollm2_file))
+    dense = edgetrain.load_model(str(smollm2_file), quantized=False)
     size = lambda m: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))  # noqa: E731
     assert size(kept) < 0.4 * size(dense), (size(kept) / 2**20, size(dense) / 2**20)
     ids = torch.from_numpy(np.arange(1, 33).reshape(1, 32))
@@ -291,7 +295,7 @@ def test_a_gguf_keeps_its_embedding_and_head_packed_with_the_dense_logits(tmp_pa
 
     path = write_gguf(tmp_path / "model.gguf", hf_model("llama", tie=tied), Q.Q8_0)
     kept = edgetrain.load_model(str(path), quantized=True)
-    dense = edgetrain.load_model(str(path))
+    dense = edgetrain.load_model(str(path), quantized=False)
     assert isinstance(kept.embed.embed_tokens, QuantizedEmbedding) and kept.embed.embed_tokens.bits == 8
     assert isinstance(kept.head.lm_head, TiedQuantizedHead if tied else QuantizedLinear)
     assert kept.embed.embed_tokens.scales.dtype == torch.float16  # the file's f16 scales, exact

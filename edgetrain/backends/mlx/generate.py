@@ -22,7 +22,8 @@ import torch
 from edgetrain.backends.mlx.learner import batch_arrays
 from edgetrain.backends.mlx.model import Attention, DecoderBlock, MLXDecoder, apply_rope, causal_attention
 from edgetrain.data.batch import Batch
-from edgetrain.models.generate import HeldOutLoss, check_prompt, check_sampling, continue_text, decode_loop
+from edgetrain.models.generate import (EVAL_TOKEN_CHUNK, HeldOutLoss, check_prompt, check_sampling, continue_text,
+                                       decode_loop)
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.losses import IGNORE_INDEX
 
@@ -65,9 +66,10 @@ def _require_decoder(model: Any) -> None:
         raise EdgetrainError(f"generation needs a decoder language model (llama/qwen2); got {type(model).__name__}")
 
 
-def forward_cached(model: MLXDecoder, token_ids: mx.array, cache: MLXKVCache) -> mx.array:
+def forward_cached(model: MLXDecoder, token_ids: mx.array, cache: MLXKVCache, *, last_only: bool = False) -> mx.array:
     """Logits of `token_ids` [batch, steps], which follow the cache's positions; the cache grows by them.
-    The logits and the cache are evaluated, so that the cache never holds a growing lazy graph."""
+    The logits and the cache are evaluated, so that the cache never holds a growing lazy graph.
+    `last_only`: the last position's logits alone [batch, 1, vocab] (what decoding reads)."""
     _require_decoder(model)
     if not cache.keys:
         cache.keys, cache.values = [None] * len(model.blocks), [None] * len(model.blocks)
@@ -77,7 +79,7 @@ def forward_cached(model: MLXDecoder, token_ids: mx.array, cache: MLXKVCache) ->
     rope = (cos[start:], sin[start:])
     for index, block in enumerate(model.blocks):
         h = _block(block, h, rope, cache, index, start)
-    logits = model.logits(h)
+    logits = model.logits(h[:, -1:] if last_only else h)
     mx.eval(logits, cache.keys, cache.values)
     return logits
 
@@ -96,7 +98,7 @@ def generate_ids(model: MLXDecoder, prompt_ids: list[int], max_new_tokens: int =
     cache = MLXKVCache()
 
     def next_logits(ids: list[int]) -> torch.Tensor:
-        return _as_torch(forward_cached(model, mx.array([ids], dtype=mx.int32), cache)[0, -1])
+        return _as_torch(forward_cached(model, mx.array([ids], dtype=mx.int32), cache, last_only=True)[0, -1])
 
     was_training = model.training
     model.eval()  # LoRA dropout off
@@ -116,12 +118,24 @@ def generate(model: MLXDecoder, prompt: str, max_new_tokens: int = 64, *, temper
 
 
 def _token_losses(model: MLXDecoder, batch: Batch) -> np.ndarray:
-    """The next-token cross-entropy of every position with a target, float64 (fp32 log-softmax, as lm_loss)."""
+    """The next-token cross-entropy of every position with a target, float64 (fp32 log-softmax, as lm_loss);
+    the head runs on EVAL_TOKEN_CHUNK predicted positions at a time (the torch version's chunking)."""
     inputs, targets = batch_arrays(batch)
-    logits = model(inputs).astype(mx.float32)
-    safe = mx.where(targets != IGNORE_INDEX, targets, 0)
-    losses = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-    return np.array(losses, dtype=np.float64)[np.array(targets) != IGNORE_INDEX]
+    h = model.embed(inputs)
+    rope = model.rope(inputs.shape[1], h.dtype)
+    for block in model.blocks:
+        h = block(h, rope)
+    predicted = np.flatnonzero(np.array(targets).reshape(-1) != IGNORE_INDEX)
+    hidden = h.reshape(-1, h.shape[-1])[mx.array(predicted)]
+    wanted = targets.reshape(-1)[mx.array(predicted)]
+    mx.eval(hidden)
+    losses = []
+    for start in range(0, predicted.size, EVAL_TOKEN_CHUNK):
+        logits = model.logits(hidden[start:start + EVAL_TOKEN_CHUNK]).astype(mx.float32)
+        chunk_targets = wanted[start:start + EVAL_TOKEN_CHUNK]
+        chunk = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, chunk_targets[:, None], axis=-1)[:, 0]
+        losses.append(np.array(chunk, dtype=np.float64))
+    return np.concatenate(losses) if losses else np.zeros(0)
 
 
 def held_out_loss(model: MLXDecoder, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:

@@ -33,7 +33,7 @@ from edgetrain.backends.mlx.quantize import BLOCK_LINEARS, ComputeMode, Quantize
 from edgetrain.backends.mlx.weights import assign_weights, parse_mlx_dtype
 from edgetrain.utils.logs import get_logger
 from edgetrain.models.gguf.config import config_from_metadata
-from edgetrain.models.gguf.loader import (attach_gguf_tokenizer, plan_tensors, read_values, rope_row_order,
+from edgetrain.models.gguf.loader import (DENSE_TYPES, attach_gguf_tokenizer, plan_tensors, read_values, rope_row_order,
                                           take_gguf_tokenizer)
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
 
@@ -63,9 +63,10 @@ def _install_quantized(model: MLXDecoder, block: int, path: str, packed: PackedW
 
 
 def load_gguf_mlx(path: str | Path, dtype: str | mx.Dtype = "float32",
-                  compute_mode: ComputeMode | None = None) -> MLXDecoder:
+                  compute_mode: ComputeMode | None = None, *, packed: bool = True) -> MLXDecoder:
     """A llama / qwen2 MLXDecoder from a GGUF file: Q4_0 / Q4_1 / Q8_0 block projections stay quantised
-    (see the module docstring), everything else is dense in `dtype`. The file's byte-level BPE
+    (see the module docstring), everything else is dense in `dtype`; `packed=False` holds every weight
+    dense in `dtype` (edgetrain.models.load_options: --dequantize). The file's byte-level BPE
     vocabulary, when it has one, becomes `model.tokenizer`, as with the torch loader."""
     gguf = read_gguf(path)
     config = config_from_metadata(gguf)
@@ -80,7 +81,7 @@ def load_gguf_mlx(path: str | Path, dtype: str | mx.Dtype = "float32",
         order = rope_row_order(config, gguf_name, info.shape[0])
         module, _, kind = name.rpartition(".")
         linear = _BLOCK_LINEAR.fullmatch(module)
-        if kind == "weight" and linear and info.ggml_type in PACKABLE_TYPES:
+        if packed and kind == "weight" and linear and info.ggml_type in PACKABLE_TYPES:
             packed = _packed(gguf, info, order)
             _install_quantized(model, int(linear.group(1)), linear.group(2), packed, mode)
             tensors[f"{module}.weight"] = mx.array(packed.weight)
@@ -88,7 +89,7 @@ def load_gguf_mlx(path: str | Path, dtype: str | mx.Dtype = "float32",
             tensors[f"{module}.biases"] = mx.array(packed.biases).astype(target)
             continue
         values = read_values(gguf, info)
-        if info.ggml_type in PACKABLE_TYPES:
+        if packed and info.type_name not in DENSE_TYPES:
             dequantised.append(f"{gguf_name} ({info.type_name})")
         tensors[name] = mx.array(values if order is None else values[order]).astype(target)
     if dequantised:

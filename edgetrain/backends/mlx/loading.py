@@ -137,17 +137,19 @@ def load_checkpoint_dir(directory: str | Path, dtype: str | mx.Dtype = "float32"
 
 def load_mlx_model(name_or_path: str | Path, *, dtype: str | mx.Dtype = "float32", seed: int = 0,
                    layers: int | None = None, quantize_bits: int | None = None,
-                   group_size: int = DEFAULT_GROUP_SIZE, compute_mode: ComputeMode | None = None) -> MLXDecoder:
+                   group_size: int = DEFAULT_GROUP_SIZE, compute_mode: ComputeMode | None = None,
+                   dequantize: bool = False) -> MLXDecoder:
     """A decoder by preset name (random init, seeded), from a Hugging Face checkpoint directory or from a
-    llama.cpp GGUF file (its Q4_0 / Q4_1 / Q8_0 projections kept quantised: edgetrain.backends.mlx.gguf);
-    quantize_bits=4 stores the blocks' (remaining dense) base projections in 4 bits (group size 64)."""
+    llama.cpp GGUF file (its Q4_0 / Q4_1 / Q8_0 projections kept quantised unless `dequantize`:
+    edgetrain.backends.mlx.gguf); quantize_bits=4 stores the blocks' (remaining dense) base projections in
+    4 bits (group size 64)."""
     path = Path(name_or_path)
     is_gguf = path.suffix.lower() == ".gguf" and not path.is_dir()
     if path.is_dir() or is_gguf:
         if is_gguf:
             from edgetrain.backends.mlx.gguf import load_gguf_mlx
 
-            model = load_gguf_mlx(path, dtype, compute_mode)
+            model = load_gguf_mlx(path, dtype, compute_mode, packed=not dequantize)
         else:
             from edgetrain.data.tokenizer import attach_tokenizer
 
@@ -169,9 +171,16 @@ def load_mlx_model(name_or_path: str | Path, *, dtype: str | mx.Dtype = "float32
 
 def load_mlx_for_backend(name_or_path: str | Path, dtype: Any = "float32", device: Any = None,
                          quantize_bits: int | None = None) -> MLXDecoder:
-    """The MLX backend's loader for edgetrain.load_model: MLX places arrays itself, so `device` is unused;
+    """The MLX backend's dense loader for edgetrain.load_model (a GGUF dequantised, as torch's loader
+    does; load_packed_gguf_mlx keeps it packed): MLX places arrays itself, so `device` is unused;
     `quantize_bits` quantises block by block as the blocks load."""
-    return load_mlx_model(name_or_path, dtype=dtype, quantize_bits=quantize_bits)
+    return load_mlx_model(name_or_path, dtype=dtype, quantize_bits=quantize_bits, dequantize=True)
+
+
+def load_packed_gguf_mlx(path: str | Path, dtype: Any = "float32", device: Any = None) -> MLXDecoder:
+    """The MLX backend's packed GGUF loader for edgetrain.load_model (its default for a GGUF): Q4_0, Q4_1
+    and Q8_0 block projections kept as stored."""
+    return load_mlx_model(path, dtype=dtype)
 
 
 def to_numpy(array: mx.array) -> np.ndarray:

@@ -23,6 +23,8 @@ from edgetrain.backends.mlx.engine import batch_arrays
 from edgetrain.backends.mlx.loading import load_mlx_model
 from edgetrain.backends.mlx.lora import add_lora, set_parameters, trainable_parameters
 from edgetrain.backends.mlx.methods import MLX_METHODS
+from edgetrain.backends.mlx.quantize import packed_matrix_count
+from edgetrain.models.load_options import LoadOptions
 from edgetrain.training.learner import Learner
 
 
@@ -62,7 +64,7 @@ def _progress(message: str) -> None:
 
 def build_model(config: Any, quantize_bits: int | None = None):
     model = load_mlx_model(config.model, dtype=config.dtype, seed=config.seed, layers=config.layers,
-                           quantize_bits=quantize_bits)
+                           quantize_bits=quantize_bits, dequantize=getattr(config, "dequantize", False))
     add_lora(model, rank=config.rank)
     # A fresh lora_b is zero, which would make every lora_a gradient zero and fidelity meaningless.
     keys = mx.random.split(mx.random.key(config.seed + 1), len(trainable_parameters(model)))
@@ -109,7 +111,11 @@ def profile_method_mlx(config: Any, quantize_bits: int | None = None) -> dict[st
     record: dict[str, Any] = {"method": config.method, "backend": "mlx", "model": config.model,
                               "seq": config.seq, "batch": config.batch, "rank": config.rank,
                               "dtype": config.dtype, "layers": len(model.blocks), "lora": True,
-                              "quantize_bits": quantize_bits, "mlx_device": str(mx.default_device()),
+                              "quantize_bits": quantize_bits, "dequantize": getattr(config, "dequantize", False),
+                              "base": LoadOptions(dequantize=getattr(config, "dequantize", False),
+                                                  quantize_bits=quantize_bits, dtype=config.dtype).describe(),
+                              "packed_matrices": packed_matrix_count(model),
+                              "mlx_device": str(mx.default_device()),
                               "blas": blas_in_use()}
     if config.fidelity:
         _progress(f"[{config.method}] gradient fidelity against autodiff")

@@ -152,3 +152,8 @@ def set_compute_mode(model: nn.Module, mode: ComputeMode) -> None:
     for _, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             module.compute_mode = mode
+
+
+def packed_matrix_count(model: nn.Module) -> int:
+    """How many of the model's matrices are held quantised (MLX QuantizedLinear)."""
+    return sum(isinstance(module, QuantizedLinear) for _, module in model.named_modules())

@@ -51,6 +51,6 @@ if "mlx" not in BACKENDS:
         save_adapter="edgetrain.backends.mlx.adapters:save_mlx_lm_adapters",  # an mlx-lm adapter directory
         adapter_loader="edgetrain.adapters.convert:load_adapter_into_mlx",
         adapter_is_directory=True, quantized_base=True, quantizer="edgetrain.backends.mlx.quantize:quantize_model",
-        packed_gguf_loader=None, loader_quantizes=True,
-        loads_gguf=True,  # Q4_0 / Q4_1 / Q8_0 projections stay quantised (edgetrain.backends.mlx.gguf)
+        packed_gguf_loader="edgetrain.backends.mlx.loading:load_packed_gguf_mlx", loader_quantizes=True,
+        loads_gguf=True,  # Q4_0 / Q4_1 / Q8_0 projections kept quantised by default (edgetrain.backends.mlx.gguf)
         reads_text_out=True, text_out="edgetrain.backends.mlx.generate"))

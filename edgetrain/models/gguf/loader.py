@@ -27,6 +27,8 @@ from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
+# Float types: read as they are, never "dequantised" (widened to the requested dtype at most).
+DENSE_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 _GLOBAL_TENSORS = {"token_embd.weight": "embed.embed_tokens.weight", "output_norm.weight": "head.norm.weight",
                    "output.weight": "head.lm_head.weight"}
@@ -143,10 +145,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     tensors: dict[str, torch.Tensor] = {}
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
     packed_embedding = False
+    dequantised: list[str] = []
     for gguf_name, (target, info) in plan_tensors(gguf, config, expected).items():
         if quantized and _install_packed(model, gguf, info, target, config, gguf_name, dtype, tensors):
             packed_embedding |= target == _EMBEDDING
             continue
+        if quantized and info.type_name not in DENSE_TYPES:
+            dequantised.append(f"{gguf_name} ({info.type_name})")
         tensor = read_tensor(gguf, info)
         heads = rope_heads(config, gguf_name)
         if heads is not None:
@@ -156,6 +161,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         from edgetrain.models.quantized import TiedQuantizedHead
         # It reads the embedding module's table, whatever tensors loading assigns to it.
         model.head.lm_head = TiedQuantizedHead(model.embed.embed_tokens)
+    if dequantised:
+        # One line per load: the memory figures of a "packed" model hold these densely.
+        log.info("%s: %d tensor(s) of types edgetrain keeps packed only as Q4_0 / Q4_1 / Q8_0 were dequantised "
+                 "to %s: %s", gguf.path, len(dequantised), str(dtype).removeprefix("torch."),
+                 ", ".join(dequantised[:8]) + (", ..." if len(dequantised) > 8 else ""))
     packed_tensors = [name for name in tensors if name.endswith((".scales", ".biases"))]
     load_weights(model, tensors, str(gguf.path), dtype, as_stored=packed_tensors)
     _realise_dtype_markers(model, dtype)
@@ -163,10 +173,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.to(device)
 
 
-def load_packed_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
+def load_packed_gguf(path: str | Path, dtype: str | torch.dtype = torch.float32,
                      device: torch.device | str = "cpu") -> LlamaModel:
-    """load_gguf(..., quantized=True): matrices stored as Q4_0, Q4_1 or Q8_0 kept packed."""
-    return load_gguf(path, dtype=dtype, device=device, quantized=True)
+    """load_gguf(..., quantized=True): matrices stored as Q4_0, Q4_1 or Q8_0 kept packed (the default of
+    edgetrain.load_model for a GGUF)."""
+    from edgetrain.models import parse_dtype
+
+    return load_gguf(path, dtype=parse_dtype(dtype), device=device, quantized=True)
 
 
 _PROJECTION = re.compile(r"(blocks\.\d+\.(?:self_attn|mlp)\.[a-z_]+_proj)\.weight")

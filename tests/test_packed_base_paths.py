@@ -1,0 +1,203 @@
+"""Every user path that loads a GGUF keeps its 4- and 8-bit weights packed by default, and --dequantize (or
+LoadOptions(dequantize=True)) asks for the dense base: train, eval, generate, profile, personalise run, the
+Personaliser and model_for_inference, export --merge (always dense: merged weights are), load_model.
+Checkpoints and adapters made on one base load on the other, and the packed base evaluates and trains to
+the dense base's numbers. (SmolLM2's own GGUF: tests/test_packed_base_smollm2.py, slow lane.)"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import edgetrain
+from edgetrain.cli import main
+from edgetrain.models.load_options import LoadOptions
+from edgetrain.models.quantized import packed_matrix_count
+
+CORPUS = "the device learns where it runs, and keeps what it learned. " * 60
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    from gguf_testkit import Q, hf_model, write_gguf
+
+    directory = tmp_path_factory.mktemp("packed")
+    (directory / "train.txt").write_text(CORPUS)
+    return write_gguf(directory / "model.gguf", hf_model("qwen2"), Q.Q4_1)
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """Every model edgetrain.load_model returns in this test, in order."""
+    models = []
+    real = edgetrain.models.load_model
+
+    def spy(*args, **kwargs):
+        models.append(real(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(edgetrain, "load_model", spy)
+    return models
+
+
+def _packed(models) -> list[bool]:
+    return [packed_matrix_count(model) > 0 for model in models]
+
+
+@pytest.mark.parametrize("flags, packed", [([], True), (["--dequantize"], False)])
+def test_train_keeps_the_base_packed_unless_asked(gguf, loaded, tmp_path, flags, packed):
+    adapter = tmp_path / "adapter.safetensors"
+    assert main(["train", "--model", str(gguf), "--method", "mesp", "--steps", "2", "--seq", "16", "--batch", "2",
+                 "--files", str(gguf.parent / "train.txt"), "--save-adapter", str(adapter), "--quiet", *flags]) == 0
+    assert _packed(loaded) == [packed] and adapter.exists()
+
+
+def _eval(capsys, gguf, *flags) -> dict:
+    assert main(["eval", "--model", str(gguf), "--data", str(gguf.parent / "train.txt"), "--seq", "32", "--batch",
+                 "2", "--max-batches", "3", "--quiet", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_eval_and_generate_on_the_packed_base_give_the_dense_bases_numbers(gguf, loaded, capsys):
+    packed, dense = _eval(capsys, gguf), _eval(capsys, gguf, "--dequantize")
+    assert _packed(loaded) == [True, False]
+    assert packed["tokens"] == dense["tokens"] > 0
+    assert packed["loss"] == pytest.approx(dense["loss"], rel=1e-4)
+    texts = []
+    for flags in ([], ["--dequantize"]):
+        assert main(["generate", "--model", str(gguf), "--prompt", "the device", "--max-tokens", "8", "--quiet",
+                     *flags]) == 0
+        texts.append(capsys.readouterr().out)
+    assert _packed(loaded) == [True, False, True, False] and texts[0] == texts[1]
+
+
+def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf):
+    """eval never holds a batch's logits: its head runs on EVAL_TOKEN_CHUNK positions at a time; the sum is
+    the whole-logits cross-entropy's (ignored targets skipped)."""
+    import torch.nn.functional as F
+
+    from edgetrain.data.batch import Batch
+    from edgetrain.models import generate as text
+
+    model = edgetrain.load_model(gguf)
+    inputs = torch.randint(0, model.config.vocab_size, (3, 50))
+    targets = torch.randint(0, model.config.vocab_size, (3, 50))
+    targets[1, 10:30] = -100
+    batch = Batch(inputs, targets)
+    with torch.no_grad():
+        reference = F.cross_entropy(model(inputs).flatten(0, 1).double(), targets.flatten(), ignore_index=-100,
+                                    reduction="sum")
+        for chunk in (1, 7, 64, 1000):
+            total, tokens = text.summed_token_loss(model, batch, chunk)
+            # the same fp32 logits up to BLAS's row blocking, summed in fp64
+            assert tokens == 150 - 20 and total == pytest.approx(float(reference), rel=1e-6)
+
+
+def test_generation_computes_the_last_positions_logits_only(gguf):
+    from edgetrain.models.generate import KVCache, forward_cached
+
+    model = edgetrain.load_model(gguf)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 9))
+    whole = forward_cached(model, tokens, KVCache())
+    last = forward_cached(model, tokens, KVCache(), last_only=True)
+    assert last.shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(last[0, 0], whole[0, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, packed", [([], True), (["--dequantize"], False)])
+def test_profile_measures_the_base_the_flags_name(gguf, tmp_path, flags, packed):
+    out = tmp_path / "records.json"
+    assert main(["profile", "--model", str(gguf), "--methods", "mesp", "--seq", "16", "--steps", "1",
+                 "--no-fidelity", "--json", str(out), "--quiet", *flags]) == 0
+    [record] = json.loads(out.read_text())
+    assert (record["packed_matrices"] > 0) == packed
+    assert record["base"] == ("kept as stored" if packed else "dequantised to float32")
+
+
+def test_personalise_run_keeps_the_base_packed_and_the_store_remembers_how(gguf, loaded, tmp_path, capsys):
+    store = tmp_path / "store"
+    notes = [tmp_path / f"note{i}.txt" for i in range(6)]
+    for i, note in enumerate(notes):
+        note.write_text(f"note {i}: " + CORPUS[: 200 + 10 * i])
+    assert main(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes)]) == 0
+    run = ["personalise", "run", "--store", str(store), "--max-steps", "2", "--window-steps", "2", "--seq", "16",
+           "--batch", "2", "--quiet"]
+    assert main([*run, "--model", str(gguf), "--method", "mesp"]) == 0
+    assert loaded and all(_packed(loaded))
+    with edgetrain.Personaliser(store) as personaliser:
+        assert personaliser.bound["load"] == LoadOptions().to_record()
+        assert packed_matrix_count(personaliser.model_for_inference()) > 0
+    capsys.readouterr()
+    # Another base for the same store is refused by name: its versions were made on this one.
+    assert main([*run, "--dequantize"]) == 2
+    assert "holds its base kept as stored, not dequantised to float32" in capsys.readouterr().err
+    assert main(run) == 0  # no flag: the store's own base
+
+
+def test_a_personaliser_made_on_the_dense_base_serves_the_dense_base(gguf, tmp_path):
+    store = tmp_path / "dense"
+    with edgetrain.Personaliser(store, gguf, method="mesp", load=LoadOptions(dequantize=True)) as personaliser:
+        assert packed_matrix_count(personaliser.require_model()[0]) == 0
+        assert packed_matrix_count(personaliser.model_for_inference()) == 0
+    with edgetrain.Personaliser(store) as personaliser:  # reopened without options: the store's own
+        assert personaliser.load_options == LoadOptions(dequantize=True)
+    with pytest.raises(edgetrain.EdgetrainError, match="holds its base dequantised to float32"):
+        edgetrain.Personaliser(store, load=LoadOptions())
+    with pytest.raises(edgetrain.EdgetrainError, match="load must be a LoadOptions"):
+        edgetrain.Personaliser(tmp_path / "other", load={"dequantize": True})
+
+
+def _learner(model, **options):
+    edgetrain.add_lora(model, rank=4)
+    return edgetrain.Learner(model, method="mesp", optimizer="adamw", lr=1e-2, seed=0, **options)
+
+
+def test_a_checkpoint_from_the_packed_base_resumes_on_the_dense_one_and_steps_alike(gguf, tmp_path):
+    """The adapter and the optimizer state are the same whichever base trained them; this file's packed
+    logits are the dense ones bit for bit, so the next steps are too."""
+    from edgetrain.data import text_stream
+
+    batches = list(text_stream(16, 2, text=CORPUS, vocab_size=edgetrain.load_model(gguf).config.vocab_size,
+                               tokenizer=edgetrain.load_model(gguf).tokenizer, epochs=1))[:4]
+    packed = _learner(edgetrain.load_model(gguf))
+    for batch in batches[:2]:
+        packed.step(batch)
+    packed.save_rotating(tmp_path / "checkpoints")
+    dense = _learner(edgetrain.load_model(gguf, quantized=False))
+    assert dense.resume(tmp_path / "checkpoints") is not None and dense.steps_done == 2
+    for batch in batches[2:]:
+        assert packed.step(batch).loss == dense.step(batch).loss
+    trained = {name: p for name, p in dense.model.named_parameters() if p.requires_grad}
+    assert trained and trained.keys() == {name for name, p in packed.model.named_parameters() if p.requires_grad}
+    for name, parameter in packed.model.named_parameters():
+        if parameter.requires_grad:
+            assert torch.equal(parameter, trained[name]), name
+    # And the adapter file of either loads on the other.
+    edgetrain.save_lora(dense.model, tmp_path / "adapter.safetensors")
+    again = edgetrain.load_model(gguf, adapter=tmp_path / "adapter.safetensors")
+    assert packed_matrix_count(again) > 0
+    tokens = batches[0].inputs
+    with torch.no_grad():
+        assert torch.equal(again(tokens), dense.model(tokens))
+
+
+def test_merging_reads_the_dense_base_and_a_packed_one_is_refused_by_name(gguf, tmp_path, capsys):
+    from edgetrain.export.merged import MergeError, save_merged_hf
+
+    model = edgetrain.load_model(gguf)
+    edgetrain.add_lora(model, rank=4)
+    edgetrain.save_lora(model, tmp_path / "adapter.safetensors")
+    with pytest.raises(MergeError, match="held packed .*LoadOptions\\(dequantize=True\\)"):
+        save_merged_hf(model, tmp_path / "merged")
+    with pytest.raises(edgetrain.EdgetrainError, match="cannot merge a LoRA adapter into a quantised base"):
+        edgetrain.merge_lora(model)
+    assert not (tmp_path / "merged").exists()
+    # export --merge loads the base dense itself, so the default flags give a merged model.
+    assert main(["export", "--merge", "--model", str(gguf), "--adapter", str(tmp_path / "adapter.safetensors"),
+                 "--out", str(tmp_path / "merged")]) == 0
+    merged = edgetrain.load_model(tmp_path / "merged")
+    tokens = torch.randint(0, merged.config.vocab_size, (1, 10))
+    with torch.no_grad():
+        assert math.isclose(float((merged(tokens) - model(tokens)).abs().max()), 0.0, abs_tol=1e-4)
