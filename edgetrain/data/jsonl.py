@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Iterator, Union
 
+from edgetrain.data.binary import check_text_file
 from edgetrain.registry import EdgetrainError
 
 ROLES = ("system", "user", "assistant")
@@ -69,7 +70,11 @@ def parse_record(line: bytes, where: str) -> Record:
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """(line number from 1, byte offset, raw bytes) of each non-blank line of `path`, read one at a time."""
+    """(line number from 1, byte offset, raw bytes) of each non-blank line of `path`, read one at a time. A
+    file that is not text is a BinaryInputError (edgetrain.data.binary) before its first line: checked whole
+    first (one quick read, next to tokenising every record), so that binary data is named as such rather than
+    as a line that is not JSON."""
+    check_text_file(path)
     offset = 0
     with open(path, "rb") as handle:
         for number, line in enumerate(handle, start=1):

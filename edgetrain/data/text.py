@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from edgetrain.data.batch import Batch
+from edgetrain.data.binary import read_text_file
 from edgetrain.data.fingerprint import tensors_digest
 from edgetrain.data.files import describe_files, find_text_files, is_jsonl
 from edgetrain.data.indexed import EpochOrder, IndexedStream
@@ -59,11 +60,12 @@ TEXT_CORPORA: dict[str, Callable[[], str]] = {"pydoc": default_text_corpus, "for
 
 
 def _join_files(files: Sequence[Path]) -> str:
-    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    return "\n\n".join(read_text_file(f) for f in files)
 
 
 def read_text_files(paths: Sequence[str | Path]) -> str:
-    """The contents of `find_text_files(paths)` joined by blank lines (invalid UTF-8 becomes U+FFFD)."""
+    """The contents of `find_text_files(paths)` joined by blank lines (a stray invalid UTF-8 byte becomes
+    U+FFFD; a file that is not text is a BinaryInputError)."""
     return _join_files(find_text_files(paths))
 
 

@@ -30,6 +30,7 @@ from typing import IO, Iterator, Sequence
 import numpy as np
 import torch
 
+from edgetrain.data.binary import TextCheck
 from edgetrain.data.tokenizer import ByteTokenizer, Tokenizer
 from edgetrain.registry import EdgetrainError
 
@@ -55,12 +56,15 @@ def running_text(files: Sequence[Path], block_bytes: int = READ_BLOCK_BYTES) -> 
         if number:
             yield FILE_SEPARATOR
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        check = TextCheck(str(path))  # a file that is not text is refused by name as it is read
         try:
             with open(path, "rb") as handle:
                 while block := handle.read(block_bytes):
+                    check.feed(block)
                     yield decoder.decode(block)
         except OSError as exc:
             raise EdgetrainError(f"cannot read text file {path}: {exc}") from exc
+        check.finish()
         yield decoder.decode(b"", final=True)
 
 

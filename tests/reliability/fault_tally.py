@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterator
 
 from edgetrain.registry import EdgetrainError
 
-# The fault classes of issue 20, and the process killed or a save failing part-way (docs/reliability.md has
-# one row each).
+# The fault classes of issue 20, the process killed or a save failing part-way, and (issue 40) files read as
+# text that are not text (docs/reliability.md has one row each).
 CLASSES = ("checkpoint metadata", "non-finite numbers", "hostile model files", "adapters", "batches",
-           "resources and paths", "resume semantics", "kills and crashes")
+           "resources and paths", "resume semantics", "kills and crashes", "text inputs")
 FAILURES = ("unhandled", "silently wrong")
 # The long fuzz run (test_long_fuzz.py, marked slow) sets this to draw several times more examples.
 FUZZ_SCALE_VARIABLE = "EDGETRAIN_FUZZ_SCALE"
