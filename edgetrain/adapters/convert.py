@@ -17,7 +17,7 @@ import torch
 
 from edgetrain.adapters.formats import FORMATS  # noqa: F401  (re-exported)
 from edgetrain.models.llama import LlamaConfig
-from edgetrain.models.lora import AdapterError, LoraConfig, read_lora_file, write_lora_file
+from edgetrain.models.lora import AdapterError, LoraConfig, check_adapter_names, read_lora_file, write_lora_file
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,8 @@ def read_adapter(path: str | Path, base: AdapterBase | None = None) -> tuple[Lor
     `base`; with a base config every format is checked to fit it)."""
     base = base or AdapterBase()
     config, tensors = READERS[detect_format(path)](Path(path), base)
+    # Whatever the format, a tensor edgetrain cannot place is named here, before any is written or loaded.
+    check_adapter_names(tensors, config, path)
     if base.config is not None:
         check_fits(config, tensors, base.config, path)
     return config, tensors

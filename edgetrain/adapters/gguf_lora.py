@@ -26,7 +26,9 @@ from edgetrain.utils.logs import get_logger
 log = get_logger(__name__)
 
 _EDGETRAIN_KEY = re.compile(r"^blocks\.(\d+)\.(.+)\.lora_([AB])$")
-_GGUF_KEY = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_([ab])$")
+# ASCII digits without a leading zero (\d takes other scripts' digits, int() reads them, and "$" a trailing
+# newline), at most 9: a name edgetrain cannot place is named, never mapped to another block.
+_GGUF_KEY = re.compile(r"blk\.(0|[1-9][0-9]{0,8})\.([a-z_]+)\.weight\.lora_([ab])", re.ASCII)
 GGUF_ADAPTER_TYPES = ("F32", "F16", "BF16", "Q8_0")  # what llama.cpp's convert_lora_to_gguf writes
 
 
@@ -46,7 +48,7 @@ def _rope_heads(base: LlamaConfig, module: str) -> int | None:
 
 def gguf_lora_name(name: str, base: LlamaConfig) -> tuple[str, int | None]:
     """edgetrain's adapter tensor name -> (llama.cpp's name, heads whose rows to permute or None)."""
-    match = _EDGETRAIN_KEY.match(name)
+    match = _EDGETRAIN_KEY.fullmatch(name)
     targets = {path: target for target, path in LORA_TARGETS.items()}
     if match is None or match.group(2) not in targets:
         raise AdapterError(f"{name!r} is not a decoder block's LoRA tensor")
@@ -96,7 +98,7 @@ def write_gguf_lora(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
 
 
 def _block_order(name: str) -> tuple[int, str]:
-    match = _EDGETRAIN_KEY.match(name)
+    match = _EDGETRAIN_KEY.fullmatch(name)
     return (int(match.group(1)), name) if match else (-1, name)
 
 
@@ -152,10 +154,13 @@ def read_gguf_lora(path: str | Path, base: LlamaConfig) -> tuple[LoraConfig, dic
     targets_by_module = {module: target for target, module in _gguf_modules().items()}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for info in gguf_file.tensors.values():
-        match = _GGUF_KEY.match(info.name)
+        match = _GGUF_KEY.fullmatch(info.name)
         if match is None or match.group(2) not in targets_by_module:
             raise AdapterError(f"{source}: tensor {info.name!r} is not a LoRA weight edgetrain can apply "
                                f"(blk.N.<{'|'.join(targets_by_module)}>.weight.lora_a/lora_b)")
+        if int(match.group(1)) >= base.num_hidden_layers:  # named here, before its pair is found wanting
+            raise AdapterError(f"{source}: cannot place tensor {info.name!r}: block {match.group(1)}, and the base "
+                               f"model has {base.num_hidden_layers} blocks")
         if info.ggml_type not in DEQUANTIZERS or info.type_name not in GGUF_ADAPTER_TYPES:
             raise AdapterError(f"{source}: tensor {info.name!r} is stored as {info.type_name}; adapters are "
                                f"read in {', '.join(GGUF_ADAPTER_TYPES)}")

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig, install_adapter, lora_state_dict
+from edgetrain.models.lora import (LORA_TARGETS, AdapterError, LoraConfig, check_adapter_names, install_adapter,
+                                   lora_state_dict)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -34,7 +35,7 @@ _ALSO_OFF_WHEN_READ = {"lora_bias": False, "target_parameters": None, "layer_rep
 
 def peft_key(name: str) -> str:
     """edgetrain's adapter tensor name -> PEFT's (the transformers model's parameter path)."""
-    match = _EDGETRAIN_KEY.match(name)
+    match = _EDGETRAIN_KEY.fullmatch(name)
     if match is None:
         raise AdapterError(f"{name!r} is not a decoder block's LoRA tensor")
     block, module, half = match.groups()
@@ -42,7 +43,7 @@ def peft_key(name: str) -> str:
 
 
 def edgetrain_key(name: str, source: str | Path) -> str:
-    match = _PEFT_KEY.match(name)
+    match = _PEFT_KEY.fullmatch(name)
     if match is None:
         raise AdapterError(f"{source}: tensor {name!r} is not a LoRA weight of a decoder layer "
                            "(base_model.model.model.layers.N.<module>.lora_A/B.weight)")
@@ -123,7 +124,16 @@ def read_peft_adapter(directory: str | Path) -> tuple[LoraConfig, dict[str, torc
         raw = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own error types for a damaged file
         raise AdapterError(f"{weights_path}: cannot read the adapter weights ({exc})") from None
-    return config, {edgetrain_key(name, weights_path): tensor for name, tensor in raw.items()}, weights_path
+    tensors = {}
+    for name, tensor in raw.items():
+        key = edgetrain_key(name, weights_path)
+        try:
+            check_adapter_names({key: tensor}, config, weights_path)
+        except AdapterError as exc:  # named as the file names it
+            raise AdapterError(f"{weights_path}: cannot place tensor {name!r} "
+                               f"({str(exc).split(': ', 1)[-1]})") from None
+        tensors[key] = tensor
+    return config, tensors, weights_path
 
 
 def load_peft_adapter(model: nn.Module, directory: str | Path) -> nn.Module:

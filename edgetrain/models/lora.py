@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -206,13 +208,46 @@ def write_lora_file(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
 
 
 def read_lora_file(path: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
-    """(config, tensors) of an edgetrain adapter file, checksum verified."""
+    """(config, tensors) of an edgetrain adapter file, checksum verified, every tensor name one edgetrain can
+    place (check_adapter_names)."""
     from edgetrain.training.checkpoint import load_safetensors_checked
 
     tensors, metadata = load_safetensors_checked(path)
     if "lora_config" not in metadata:
         raise AdapterError(f"{path}: not a LoRA adapter file (no lora_config in its metadata)")
-    return LoraConfig.from_json(metadata["lora_config"], str(path)), tensors
+    config = LoraConfig.from_json(metadata["lora_config"], str(path))
+    check_adapter_names(tensors, config, path)
+    return config, tensors
+
+
+# edgetrain's adapter tensor names: add_lora wraps LORA_TARGETS of each of model.blocks, so every adapter
+# tensor is blocks.<i>.<target path>.lora_A|B. ASCII digits only, no leading zero (Python's \d takes other
+# scripts' digits and int() reads "007" as block 7), and at most 9 of them.
+_ADAPTER_NAME = re.compile(r"blocks\.(0|[1-9][0-9]{0,8})\.([a-z_]+\.[a-z_]+)\.lora_([AB])", re.ASCII)
+_TARGET_OF_PATH = {path: target for target, path in LORA_TARGETS.items()}
+
+
+def adapter_tensor_place(name: object, source: str | Path) -> tuple[int, str, str]:
+    """(block index, module path, "A" or "B") of an adapter tensor named as edgetrain names them, or an
+    AdapterError that names the tensor (a converter or loader must never fail on a name by unpacking it)."""
+    match = _ADAPTER_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None or match.group(2) not in _TARGET_OF_PATH:
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 120 else \
+            f"{name[:120]!r}... ({len(name)} characters)"
+        raise AdapterError(f"{source}: cannot place adapter tensor {shown}: edgetrain's adapter tensors are named "
+                           f"blocks.<i>.<module>.lora_A or .lora_B, <module> one of {', '.join(LORA_TARGETS.values())}")
+    return int(match.group(1)), match.group(2), match.group(3)
+
+
+def check_adapter_names(tensors: dict[str, Any], config: LoraConfig, source: str | Path) -> None:
+    """Every tensor name placeable (adapter_tensor_place) and of a module `config` adapts; the first that is
+    not is named."""
+    adapted = {LORA_TARGETS[target] for target in config.targets}
+    for name in tensors:
+        _, path, _ = adapter_tensor_place(name, source)
+        if path not in adapted:
+            raise AdapterError(f"{source}: cannot place adapter tensor {name!r}: its LoRA config adapts "
+                               f"{', '.join(config.targets)}, not {_TARGET_OF_PATH[path]} ({path})")
 
 
 def remove_lora(model: nn.Module, requires_grad: dict[str, bool] | None = None) -> None:

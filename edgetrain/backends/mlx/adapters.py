@@ -24,7 +24,8 @@ from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import (add_lora, linear_shape, lora_layers, resolve_path, set_parameters,
                                          trainable_parameters)
 from edgetrain.training.checkpoint import atomic_save_safetensors, atomic_write_directory, readable_directory
-from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig, read_lora_file, write_lora_file
+from edgetrain.models.lora import (LORA_TARGETS, AdapterError, LoraConfig, adapter_tensor_place, read_lora_file,
+                                   write_lora_file)
 from edgetrain.files.user import read_json_object, require_regular_file
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
@@ -43,7 +44,9 @@ def _parse_key(key: str, source: str) -> tuple[int, str, str]:
     if not key.startswith(prefix) or part not in ("lora_a", "lora_b"):
         raise AdapterError(f"{source}: {key!r} is not an mlx-lm LoRA tensor name (model.layers.<i>.<module>.lora_a|b)")
     index, _, path = head[len(prefix):].partition(".")
-    if not index.isdigit() or path not in _TARGET_OF_PATH:
+    # ASCII digits, no leading zero, a sane count ("²".isdigit() holds and int() refuses it).
+    if not (index.isascii() and index.isdigit() and len(index) <= 9 and (index == "0" or index[0] != "0")) \
+            or path not in _TARGET_OF_PATH:
         raise AdapterError(f"{source}: {key!r} adapts no decoder projection edgetrain knows "
                            f"({', '.join(_TARGET_OF_PATH)})")
     return int(index), path, part
@@ -194,15 +197,12 @@ def load_mlx_lm_adapters(model: nn.Module, directory: str | Path) -> nn.Module:
 def torch_adapter_to_mlx_lm(torch_file: str | Path, directory: str | Path) -> Path:
     """Convert an adapter file written by edgetrain.save_lora (torch) into an mlx-lm adapter directory."""
     config, tensors = read_lora_file(torch_file)
-    converted = {}
+    converted, blocks = {}, set()
     for name, tensor in tensors.items():
-        head, _, part = name.rpartition(".")
-        _, index, path = head.split(".", 2)
-        if part not in ("lora_A", "lora_B") or path not in _TARGET_OF_PATH:
-            raise AdapterError(f"{torch_file}: {name!r} is not an edgetrain decoder LoRA tensor")
+        index, path, half = adapter_tensor_place(name, torch_file)  # a name it cannot place is named
+        blocks.add(index)
         # A [r, in] -> lora_a [in, r]; B [out, r] -> lora_b [r, out].
-        converted[mlx_lm_key(int(index), path, part.lower())] = tensor.float().t().contiguous()
-    blocks = sorted({int(k.split(".")[2]) for k in converted})
+        converted[mlx_lm_key(index, path, f"lora_{half.lower()}")] = tensor.float().t().contiguous()
     adapter_config = {"fine_tune_type": "lora", "num_layers": len(blocks),
                       "lora_parameters": {"rank": config.rank, "scale": config.scale, "dropout": config.dropout,
                                           "keys": [LORA_TARGETS[t] for t in config.targets]}}
