@@ -220,3 +220,47 @@ def test_sound_checkpoints_still_resume_exactly(tmp_path):
         resumed = _learner(seed=7, optimizer=optimizer, **options)
         with checked(CHECKPOINTS):
             assert resumed.resume(directory) == newer and _equals_file(resumed, newer)
+
+
+# -- the MLX learner: the same checkpoint path, its engine's checks --------------------------------------
+
+MLX_DAMAGES = {
+    "param-nan": lambda key: _tensor(key, _nan_at(math.nan)),
+    "param-wrong-shape": lambda key: _tensor(key, lambda t: t.t().contiguous()),
+    "param-int32": lambda key: _tensor(key, lambda t: t.to(torch.int32)),
+    "param-missing": lambda key: _drop(key),
+    "lr-1e30": lambda key: _tensor("optimizer/learning_rate", lambda t: torch.full_like(t, 1e30)),
+    "step-negative": lambda key: _tensor("optimizer/step", lambda t: t - 100),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLX_DAMAGES))
+def test_the_mlx_learner_falls_back_past_a_checkpoint_whose_content_cannot_be(name, tmp_path, caplog):
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+    import numpy as np
+
+    from edgetrain.backends.mlx.loading import load_mlx_model
+    from edgetrain.backends.mlx.lora import add_lora
+    from edgetrain.data.text import TextStream
+
+    def learner() -> Learner:
+        model = load_mlx_model("tiny", seed=0)
+        add_lora(model, rank=2)
+        return Learner(model, backend="mlx", method="bp", optimizer="adamw", lr=1e-2, probe=False)
+
+    stream = TextStream(seq_len=16, batch_size=2)
+    first = learner()
+    for step in (1, 2):
+        first.step(stream.batch(step))
+        first.save_rotating(tmp_path, keep=2)
+    older, newer = tmp_path / "step-00000001.safetensors", tmp_path / "step-00000002.safetensors"
+    key = next(k for k in load_safetensors_checked(newer)[0] if k.startswith("param/"))
+    _rewrite(newer, MLX_DAMAGES[name](key))
+    refused(CHECKPOINTS, lambda: learner().load(newer))
+    resumed = learner()
+    with caplog.at_level(logging.WARNING), checked(CHECKPOINTS):
+        assert resumed.resume(tmp_path) == older and resumed.steps_done == 1
+        saved = load_safetensors_checked(older)[0]
+        assert all(np.array_equal(np.array(p.astype(mx.float32)), saved[f"param/{n}"].float().numpy())
+                   for n, p in resumed.params.items())
+        assert "skipping" in caplog.text and str(newer) in caplog.text
