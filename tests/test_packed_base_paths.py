@@ -79,7 +79,7 @@ def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf):
     import torch.nn.functional as F
 
     from edgetrain.data.batch import Batch
-    from edgetrain.models import generate as text
+    from edgetrain.models.token_loss import summed_token_loss
 
     model = edgetrain.load_model(gguf)
     inputs = torch.randint(0, model.config.vocab_size, (3, 50))
@@ -90,9 +90,13 @@ def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf):
         reference = F.cross_entropy(model(inputs).flatten(0, 1).double(), targets.flatten(), ignore_index=-100,
                                     reduction="sum")
         for chunk in (1, 7, 64, 1000):
-            total, tokens = text.summed_token_loss(model, batch, chunk)
+            total, tokens = summed_token_loss(model, inputs, targets, chunk)
             # the same fp32 logits up to BLAS's row blocking, summed in fp64
             assert tokens == 150 - 20 and total == pytest.approx(float(reference), rel=1e-6)
+    # The learner's evaluation (the personaliser's gate) reads the same chunked loss.
+    edgetrain.add_lora(model, rank=4)
+    metrics = edgetrain.Learner(model, method="mesp").evaluate([batch])
+    assert metrics["loss"] == pytest.approx(float(reference) / 130, rel=1e-6)
 
 
 def test_generation_computes_the_last_positions_logits_only(gguf):
@@ -201,3 +205,67 @@ def test_merging_reads_the_dense_base_and_a_packed_one_is_refused_by_name(gguf, 
     tokens = torch.randint(0, merged.config.vocab_size, (1, 10))
     with torch.no_grad():
         assert math.isclose(float((merged(tokens) - model(tokens)).abs().max()), 0.0, abs_tol=1e-4)
+
+
+def test_loading_a_gguf_costs_no_more_than_its_weights(gguf, tmp_path):
+    """What keeps a load's peak near the weights: blocks repacked a slice of rows at a time (the same
+    packing as at once), the file's pages dropped from the resident set once copied, and no torch._dynamo
+    import (70 MiB) for initialisers of meta tensors -- while a model built on another thread is still
+    initialised."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from edgetrain.models.gguf import packed as packing
+    from edgetrain.models.gguf.reader import read_gguf
+
+    file = read_gguf(gguf)
+    for info in file.tensors.values():
+        if info.ggml_type in packing.PACKABLE_TYPES:
+            whole = packing.pack_blocks(file.tensor_bytes(info), info.ggml_type, info.shape)
+            saved, packing.PACK_ROWS = packing.PACK_ROWS, 7
+            try:
+                sliced = packing.pack_blocks(file.tensor_bytes(info), info.ggml_type, info.shape)
+            finally:
+                packing.PACK_ROWS = saved
+            for name in ("weight", "scales", "biases"):
+                assert np.array_equal(getattr(whole, name), getattr(sliced, name)), (info.name, name)
+            file.release(info)
+            assert np.array_equal(file.tensor_bytes(info)[:64], file.tensor_bytes(info)[:64])  # still readable
+    code = ("import sys, edgetrain; edgetrain.load_model(sys.argv[1]); "
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_a_model_initialised_on_another_thread_meanwhile_gets_its_weights():
+    import threading
+
+    from edgetrain.models.meta_build import meta_without_init
+
+    built: list = []
+    inside, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait(10)
+        built.append(torch.nn.Linear(16, 16))
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with meta_without_init():
+        shell = torch.nn.Linear(16, 16)
+        inside.set()
+        done.wait(10)
+    thread.join()
+    assert shell.weight.is_meta and not built[0].weight.is_meta and built[0].weight.abs().sum() > 0
+
+
+def test_the_peak_of_a_command_is_measured_above_its_floor(tmp_path):
+    from edgetrain.profiler.command_peak import peak_rss_of_command
+
+    floor = peak_rss_of_command([])
+    assert floor > 50 * 2**20
+    with pytest.raises(edgetrain.EdgetrainError, match="returned 2"):
+        peak_rss_of_command(["train", "--method", "no-such-method", "--steps", "1", "--quiet"])

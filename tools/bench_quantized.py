@@ -10,8 +10,15 @@ edgetrain imported, nothing built; file-backed pages left out) plus the step's p
                        a tile at a time
   mebp, fp32 base      autograd with per-block checkpointing, the MeSP paper's baseline
 
-plus, with --gguf (SmolLM2-135M by default), mesp on that GGUF with its Q4_1 blocks kept as stored, with
-the default chunk options and with LEAN_CHUNKS.
+plus, with --gguf (SmolLM2-135M by default), mesp on that GGUF at --gguf-seq x --gguf-batch (128 x 2) with its
+4- and 8-bit matrices kept as stored (the default since LoadOptions), with --dequantize, and kept with
+LEAN_CHUNKS: the step time of the packed base over the dequantised one's is printed.
+
+User paths (with --gguf, unless --no-user-paths): the peak resident set of `edgetrain train --method mesp`,
+`edgetrain eval` and `edgetrain personalise run` on that GGUF with default flags and with --dequantize, each in
+a fresh process (edgetrain.profiler.command_peak), above the floor of the same interpreter with torch and
+edgetrain imported, and above the runtime floor (that plus torch._dynamo, which the first torch optimizer
+imports: what `edgetrain profile` calls torch's runtime).
 The floor is edgetrain's analytic step memory (edgetrain/training/step_estimates.py: stored block inputs, one
 block's working set or one loss tile, the dequantised matrix, the block's gradients); peak/floor is the
 probe's step peak over it.
@@ -50,12 +57,18 @@ def arms(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
               ("mesp, 4-bit base", ProfileConfig(method="mesp", quantize_bits=4, **common)),
               ("mebp, fp32 base", ProfileConfig(method="mebp", **common))]
     if args.gguf:
-        for label, options in ((f"mesp, {args.gguf} as stored", {}),
-                               (f"mesp, {args.gguf} as stored, lean chunks", LEAN_CHUNKS)):
+        for label, options, dequantize in ((gguf_arm(args, "packed"), {}, False),
+                                           (gguf_arm(args, "dequantised"), {}, True),
+                                           (gguf_arm(args, "packed, lean chunks"), LEAN_CHUNKS, False)):
             chosen.append((label, ProfileConfig(
-                method="mesp", model=args.gguf, backend=args.backend, seq=args.seq, rank=8, steps=args.steps,
-                warmup=args.warmup, fidelity=False, quantized=True, method_options=options)))
+                method="mesp", model=args.gguf, backend=args.backend, seq=args.gguf_seq, batch=args.gguf_batch,
+                rank=8, steps=args.steps, warmup=args.warmup, fidelity=False, dequantize=dequantize,
+                method_options=options)))
     return chosen
+
+
+def gguf_arm(args: argparse.Namespace, base: str) -> str:
+    return f"mesp, {args.gguf} {base}, seq {args.gguf_seq} x {args.gguf_batch}
 
 
 def _arm(name: str, config: ProfileConfig, records: dict[str, dict]) -> Arm:
@@ -82,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
     parser.add_argument("--gguf", default="smollm2-135m", help="a GGUF model to train with its blocks as stored "
                                                                "('' to skip)")
+    parser.add_argument("--gguf-seq", type=int, default=128, help="sequence length of the GGUF arms")
+    parser.add_argument("--gguf-batch", type=int, default=2, help="batch of the GGUF arms")
+    parser.add_argument("--no-user-paths", action="store_true",
+                        help="skip the peaks of edgetrain train / eval / personalise run on the GGUF")
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 step, no GGUF arm")
     parser.add_argument("--json", default=None, help="write each arm's last worker record here")
     parser.add_argument("--png", default=None, help="a chart of the footprint ratios")
@@ -99,6 +116,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     mebp = summaries["mebp, fp32 base"]["footprint_bytes"].median
     four = summaries["mesp, 4-bit base"]["footprint_bytes"].median
     print(f"mesp 4-bit base / mebp fp32 base: {four / mebp:.2f}x footprint")
+    if args.gguf:
+        packed = summaries[gguf_arm(args, "packed")]["step_seconds"].median
+        dense = summaries[gguf_arm(args, "dequantised")]["step_seconds"].median
+        print(f"{args.gguf}, mesp seq {args.gguf_seq} x {args.gguf_batch}: packed base / dequantised base step time "
+              f"{packed / dense:.2f}x")
+        if not args.no_user_paths:
+            from user_path_peaks import print_user_path_peaks
+
+            print_user_path_peaks(args.gguf, repeats=args.repeats)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(records, handle, indent=1)

@@ -1,8 +1,9 @@
 """Plain-text files tokenised piece by piece into a token file on disk, read back memory-mapped: a text
 corpus of any size trains without its text or its token ids held in memory.
 
-The files are read as one running text (joined by blank lines, invalid UTF-8 as U+FFFD) in blocks of about
-1 MiB, cut only between a line that ends in a non-space character and a line that starts with one. A
+The files are read as one running text (joined by blank lines, invalid UTF-8 as U+FFFD) in pieces of about
+64 Ki characters (a Rust BPE's working memory grows with the string it encodes: ~50 MiB for 460 K
+characters, a few MiB for a piece), cut only between a line that ends in a non-space character and a line that starts with one. A
 byte-level BPE splits its pre-tokens there (the newline is a pre-token of its own or ends the one before it,
 never starts the next), so the pieces' tokens are the whole text's tokens. A tokenizer that merges across such
 a cut -- one that marks the start of every encoded string, like a SentencePiece "first" prefix -- would be
@@ -37,6 +38,7 @@ from edgetrain.registry import EdgetrainError
 log = logging.getLogger(__name__)
 
 READ_BLOCK_BYTES = 1 << 20
+PIECE_CHARS = 1 << 16  # characters tokenised at once (module docstring)
 FILE_SEPARATOR = "\n\n"  # between files, as the whole-text join always had
 # A cut: after "\n" that follows a non-space character, before a non-space character.
 _CUT = re.compile(r"(?<=\S\n)(?=\S)")
@@ -125,7 +127,7 @@ class TokenFile:
 
 
 def tokenise_to_disk(files: Sequence[Path], tokenizer: Tokenizer, *, directory: str | Path | None = None,
-                     piece_chars: int = READ_BLOCK_BYTES) -> TokenFile:
+                     piece_chars: int = PIECE_CHARS) -> TokenFile:
     """Tokenise `files` as one running text (see the module docstring) into a memory-mapped token file."""
     from edgetrain.models.downloads import cache_directory
 

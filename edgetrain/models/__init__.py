@@ -13,6 +13,7 @@ from edgetrain.models.hf_checkpoint import CheckpointError, load_checkpoint_dir
 from edgetrain.models.llama import ConfigError, LlamaConfig, LlamaModel
 from edgetrain.models.load_options import LoadOptions
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS, run_blocks
+from edgetrain.probes.glibc import release_free_heap
 from edgetrain.registry import EdgetrainError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -86,6 +87,9 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
         entry.quantize(model, bits)  # packed matrices are left as they are
     if adapter is not None:
         entry.load_adapter(model, adapter)
+    # Loading leaves tens of MiB of freed temporaries in malloc's heap (repacked blocks, the tokenizer's
+    # parse); a step's large tensors are mapped afresh and would not reuse them, so they go back now.
+    release_free_heap()
     return model
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from edgetrain.backends.base import text_functions_for
 from edgetrain.data.batch import Batch
 from edgetrain.models.llama import Attention, DecoderBlock, apply_rope, rope_cos_sin
+from edgetrain.models.token_loss import EVAL_TOKEN_CHUNK, summed_token_loss  # noqa: F401  (EVAL_TOKEN_CHUNK: MLX's too)
 from edgetrain.registry import EdgetrainError
 
 
@@ -196,29 +197,6 @@ class HeldOutLoss:
         return cls(total / tokens, tokens, batches)
 
 
-# Positions whose logits exist at once when a held-out loss is computed: 64 x 49,152 (SmolLM2) in fp64 is
-# 24 MiB, where a whole batch of 4 x 128 positions would take 192 MiB (and its log-softmax as much again).
-EVAL_TOKEN_CHUNK = 64
-
-
-def summed_token_loss(model: nn.Module, batch: Batch, token_chunk: int = EVAL_TOKEN_CHUNK) -> tuple[float, int]:
-    """(summed next-token cross-entropy in fp64, predicted tokens) of one batch: the blocks run on the whole
-    batch, the head on `token_chunk` predicted positions at a time (ignored ones, -100, are skipped), so
-    the logits never exist for the whole batch, as in training's chunked loss."""
-    h = model.embed(batch.inputs)
-    for block in model.blocks:
-        h = block(h)
-    targets = batch.targets.flatten()
-    predicted = targets != -100
-    hidden = h.flatten(0, 1)[predicted]
-    targets = targets[predicted]
-    total = 0.0
-    for start in range(0, targets.shape[0], token_chunk):
-        logits = model.head(hidden[start:start + token_chunk])
-        total += float(F.cross_entropy(logits.double(), targets[start:start + token_chunk], reduction="sum"))
-    return total, int(targets.shape[0])
-
-
 @torch.no_grad()
 def held_out_loss(model: Any, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:
     """Mean token loss of the model over `batches` (targets -100 ignored), weighted by tokens, not batches;
@@ -231,7 +209,7 @@ def held_out_loss(model: Any, batches: Iterable[Batch] | Iterator[Batch]) -> Hel
     total, tokens, count = 0.0, 0, 0
     try:
         for batch in batches:
-            batch_total, batch_tokens = summed_token_loss(model, batch)
+            batch_total, batch_tokens = summed_token_loss(model, batch.inputs, batch.targets)
             total += batch_total
             tokens += batch_tokens
             count += 1

@@ -15,6 +15,7 @@ from edgetrain.models.llama import ConfigError
 from edgetrain.models.zoo import ARCHITECTURES
 from edgetrain.registry import EdgetrainError, UnknownNameError
 from edgetrain.files.user import read_json_object, require_regular_file
+from edgetrain.models.meta_build import meta_without_init
 
 
 class CheckpointError(EdgetrainError, OSError):
@@ -127,7 +128,7 @@ def load_checkpoint_dir(directory: str | Path, dtype: torch.dtype = torch.float3
         raise ConfigError(f"{directory / 'config.json'}: unsupported model_type {model_type!r}; "
                           f"supported: {', '.join(ARCHITECTURES.names())}") from None
     # Build on the meta device so the random init never costs memory or time; weights are then assigned.
-    with torch.device("meta"):
+    with meta_without_init():
         model = build(raw)
     from edgetrain.models.llama import hf_key_to_edgetrain
 

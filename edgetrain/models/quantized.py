@@ -229,7 +229,7 @@ class PackedMatrix(nn.Module):
         kept = (scales,) if zero_point is not None else (scales, biases)
         exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in kept)
         storage = STORAGE_DTYPE if exact else torch.float32
-        self.codes = torch.from_numpy(codes.copy())
+        self.codes = torch.from_numpy(codes)  # shares the packed words' buffer: no second copy
         self.scales = torch.from_numpy(scales).to(storage)
         self.biases = None if zero_point is not None else torch.from_numpy(biases).to(storage)
         self.zero_point = zero_point
@@ -306,8 +306,11 @@ class QuantizedLinear(PackedMatrix):
                     dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
         """From an edgetrain.models.gguf.packed.PackedWeight (GGUF blocks, moved, not requantised)."""
         rows, words = packed.weight.shape
-        layer = cls(words * 32 // packed.bits, rows, packed.bits, packed.group_size, bias is not None, dtype=dtype)
+        # Built on the meta device: its zero buffers would be a full-size allocation for nothing.
+        layer = cls(words * 32 // packed.bits, rows, packed.bits, packed.group_size, bias is not None, device="meta",
+                    dtype=dtype)
         layer.fill_from_packed(packed)
+        layer._dtype_marker = torch.empty(0, dtype=dtype)
         if bias is not None:
             layer.bias = bias.detach().to(dtype).clone()
         return layer
@@ -349,8 +352,9 @@ class QuantizedEmbedding(PackedMatrix):
     @classmethod
     def from_packed(cls, packed: Any, dtype: torch.dtype = torch.float32) -> "QuantizedEmbedding":
         rows, words = packed.weight.shape
-        table = cls(rows, words * 32 // packed.bits, packed.bits, packed.group_size, dtype=dtype)
+        table = cls(rows, words * 32 // packed.bits, packed.bits, packed.group_size, device="meta", dtype=dtype)
         table.fill_from_packed(packed)
+        table._dtype_marker = torch.empty(0, dtype=dtype)
         return table
 
     @classmethod

@@ -51,8 +51,8 @@ def test_eval_on_the_packed_base_equals_the_dense_base(gguf, capsys):
     assert packed["loss"] == pytest.approx(dense["loss"], rel=1e-4)
 
 
-def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf, monkeypatch):
-    from edgetrain.backends.mlx import generate as text
+def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf):
+    from edgetrain.backends.mlx.token_loss import token_losses
     from edgetrain.data.batch import Batch
 
     torch = pytest.importorskip("torch")
@@ -66,7 +66,13 @@ def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf, monkeypatc
     top = flat.max(-1, keepdims=True)
     whole = (np.log(np.exp(flat - top).sum(-1)) + top[:, 0] - flat[np.arange(flat.shape[0]), np.maximum(wanted, 0)])
     for chunk in (3, 64):
-        monkeypatch.setattr(text, "EVAL_TOKEN_CHUNK", chunk)
-        losses = text._token_losses(model, Batch(inputs, targets))
+        losses = token_losses(model, mx.array(inputs.numpy(), dtype=mx.int32), mx.array(targets.numpy()), chunk)
         assert losses.size == keep.sum() == 60
         np.testing.assert_allclose(losses, whole[keep], rtol=1e-4, atol=1e-5)
+    # The learner's evaluation (the personaliser's gate) reads the same chunked losses.
+    from edgetrain.backends.mlx.lora import add_lora
+
+    add_lora(model, rank=4)
+    learner = edgetrain.Learner(model, method="mesp", backend="mlx")
+    metrics = learner.evaluate([Batch(inputs, targets)])
+    assert metrics["loss"] == pytest.approx(whole[keep].mean(), rel=1e-5)

@@ -16,8 +16,9 @@ from mlx.utils import tree_flatten
 
 from edgetrain.backends.mlx.loading import to_numpy
 from edgetrain.backends.mlx.lora import set_parameters, trainable_parameters
-from edgetrain.backends.mlx.methods import MLX_METHODS, lm_loss
+from edgetrain.backends.mlx.methods import MLX_METHODS
 from edgetrain.backends.mlx.optim import FlatOptimizer
+from edgetrain.backends.mlx.token_loss import token_losses
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import validate_batch
 from edgetrain.methods.base import NonFiniteError
@@ -173,9 +174,9 @@ class MLXEngine:
         """Mean loss over the batches (weighted by tokens) and perplexity."""
         total_loss, total_weight = 0.0, 0
         for batch, (inputs, targets) in prepared_batches:
-            loss = lm_loss(model(inputs), targets)
-            total_loss += float(loss) * batch.num_tokens
-            total_weight += batch.num_tokens
+            losses = token_losses(model, inputs, targets)  # the head a chunk of positions at a time
+            total_loss += float(losses.sum())
+            total_weight += losses.size
         if total_weight == 0:
             raise EdgetrainError("evaluate() got no batches")
         metrics = {"loss": total_loss / total_weight}

@@ -22,8 +22,8 @@ import torch
 from edgetrain.backends.mlx.learner import batch_arrays
 from edgetrain.backends.mlx.model import Attention, DecoderBlock, MLXDecoder, apply_rope, causal_attention
 from edgetrain.data.batch import Batch
-from edgetrain.models.generate import (EVAL_TOKEN_CHUNK, HeldOutLoss, check_prompt, check_sampling, continue_text,
-                                       decode_loop)
+from edgetrain.backends.mlx.token_loss import token_losses
+from edgetrain.models.generate import HeldOutLoss, check_prompt, check_sampling, continue_text, decode_loop
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.losses import IGNORE_INDEX
 
@@ -118,24 +118,9 @@ def generate(model: MLXDecoder, prompt: str, max_new_tokens: int = 64, *, temper
 
 
 def _token_losses(model: MLXDecoder, batch: Batch) -> np.ndarray:
-    """The next-token cross-entropy of every position with a target, float64 (fp32 log-softmax, as lm_loss);
-    the head runs on EVAL_TOKEN_CHUNK predicted positions at a time (the torch version's chunking)."""
+    """The next-token cross-entropy of every position with a target (edgetrain.backends.mlx.token_loss)."""
     inputs, targets = batch_arrays(batch)
-    h = model.embed(inputs)
-    rope = model.rope(inputs.shape[1], h.dtype)
-    for block in model.blocks:
-        h = block(h, rope)
-    predicted = np.flatnonzero(np.array(targets).reshape(-1) != IGNORE_INDEX)
-    hidden = h.reshape(-1, h.shape[-1])[mx.array(predicted)]
-    wanted = targets.reshape(-1)[mx.array(predicted)]
-    mx.eval(hidden)
-    losses = []
-    for start in range(0, predicted.size, EVAL_TOKEN_CHUNK):
-        logits = model.logits(hidden[start:start + EVAL_TOKEN_CHUNK]).astype(mx.float32)
-        chunk_targets = wanted[start:start + EVAL_TOKEN_CHUNK]
-        chunk = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, chunk_targets[:, None], axis=-1)[:, 0]
-        losses.append(np.array(chunk, dtype=np.float64))
-    return np.concatenate(losses) if losses else np.zeros(0)
+    return token_losses(model, inputs, targets)
 
 
 def held_out_loss(model: MLXDecoder, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:

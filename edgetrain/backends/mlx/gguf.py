@@ -44,6 +44,7 @@ _BLOCK_LINEAR = re.compile(r"blocks\.(\d+)\.(" + "|".join(re.escape(p) for p in 
 
 def _packed(gguf: GGUFFile, info: TensorInfo, order: np.ndarray | None) -> PackedWeight:
     packed = pack_blocks(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+    gguf.release(info)  # repacked into new arrays: the file's pages need not stay resident
     if not all_finite(packed):  # the torch loader's check and words, without dequantising
         raise GGUFError(f"{gguf.path}: tensor {info.name!r} holds NaN or infinite values")
     return packed if order is None else packed.rows(order)

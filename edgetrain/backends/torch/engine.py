@@ -14,6 +14,7 @@ from edgetrain.backends.torch.optimizers import make_optimizer
 from edgetrain.data.batch import Batch
 from edgetrain.data.validate import batch_expectations, validate_batch
 from edgetrain.methods.base import METHODS, NonFiniteError, trainable_parameters
+from edgetrain.models.token_loss import is_block_decoder, summed_token_loss
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.checkpoint import unflatten_optimizer_state
 from edgetrain.training.checkpoint_content import check_optimizer_state, check_saved_tensor
@@ -138,6 +139,10 @@ class TorchEngine:
         classify = getattr(model, "task", "classify") == "classify"
         total_loss, total_weight, correct = 0.0, 0, 0
         for _, batch in prepared_batches:
+            if is_block_decoder(model):  # the head a chunk of positions at a time: no whole-batch logits
+                batch_loss, tokens = summed_token_loss(model, batch.inputs, batch.targets)
+                total_loss, total_weight = total_loss + batch_loss, total_weight + tokens
+                continue
             outputs = model(batch.inputs)
             weight = batch.num_tokens
             total_loss += float(task_loss(model, outputs, batch.targets)) * weight

@@ -25,6 +25,7 @@ from edgetrain.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, GGUFToke
 from edgetrain.models.hf_checkpoint import load_weights
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.utils.logs import get_logger
+from edgetrain.models.meta_build import meta_without_init
 
 log = get_logger(__name__)
 # Float types: read as they are, never "dequantised" (widened to the requested dtype at most).
@@ -118,6 +119,7 @@ def plan_tensors(gguf: GGUFFile, config: LlamaConfig,
 def read_values(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
     """One tensor's values as a float32 numpy array (in the GGUF layout: llama Q/K rows still permuted)."""
     values = dequantize(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+    gguf.release(info)  # the values are a copy: the file's pages need not stay resident
     if not np.isfinite(values).all():
         raise GGUFError(f"{gguf.path}: tensor {info.name!r} holds NaN or infinite values")
     return values
@@ -140,7 +142,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     gguf = read_gguf(path)
     config = config_from_metadata(gguf)
     tokenizer = take_gguf_tokenizer(gguf)
-    with torch.device("meta"):  # no random init: every weight is assigned from the file
+    with meta_without_init():  # no random init: every weight is assigned from the file
         model = LlamaModel(config)
     tensors: dict[str, torch.Tensor] = {}
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict(keep_vars=True).items()}
@@ -198,6 +200,7 @@ def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target:
     if (match is None and target not in (_EMBEDDING, _HEAD)) or info.ggml_type not in PACKABLE_TYPES:
         return False
     packed = pack_blocks(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+    gguf.release(info)  # repacked into new arrays: the file's pages need not stay resident
     if not all_finite(packed):
         raise GGUFError(f"{gguf.path}: tensor {info.name!r} holds NaN or infinite values")
     order = rope_row_order(config, gguf_name, info.shape[0])
@@ -210,12 +213,12 @@ def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target:
     compute = dtype if dtype.is_floating_point else torch.float32
     if target == _EMBEDDING:
         layer = QuantizedEmbedding.from_packed(packed, dtype=compute)
-        with torch.device("meta"):
+        with meta_without_init():
             shell = QuantizedEmbedding(layer.num_embeddings, layer.embedding_dim, layer.bits, layer.group_size,
                                        dtype=compute, storage_dtype=layer.scales.dtype, zero_point=layer.zero_point)
     else:
         layer = QuantizedLinear.from_packed(packed, dtype=compute)
-        with torch.device("meta"):
+        with meta_without_init():
             shell = QuantizedLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size,
                                     bias=dense.bias is not None, dtype=compute, storage_dtype=layer.scales.dtype,
                                     zero_point=layer.zero_point)

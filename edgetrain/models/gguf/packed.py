@@ -70,20 +70,33 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     """[blocks, 32] unsigned integers -> [blocks, 32 * bits / 32] little-endian uint32 words."""
     if bits == 4:
         q = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))  # elements 2i (low) and 2i + 1 (high) share byte i
-    return np.ascontiguousarray(q, dtype=np.uint8).view(np.dtype("<u4")).astype(np.uint32)
+    return np.ascontiguousarray(q, dtype=np.uint8).view(np.dtype("<u4")).astype(np.uint32, copy=False)
+
+
+# Rows repacked at a time: the temporaries of one slice (unpacked nibbles, shifted halves, widened scales)
+# stay a few MiB, where SmolLM2's whole Q4_1 token table would make ~150 MiB of them at once.
+PACK_ROWS = 2048
 
 
 def pack_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> PackedWeight:
     """A [rows, cols] tensor's raw block bytes (ggml_type in PACKABLE_TYPES; the size checked by the
-    reader) in MLX's quantised layout. Scales and biases are float32; a caller may narrow them."""
+    reader) in MLX's quantised layout. Scales and biases are float32; a caller may narrow them. Rows are
+    repacked PACK_ROWS at a time into the outputs, so a large matrix costs little more than its result."""
     bits, block_bytes, split = _FORMATS[ggml_type]
     rows, cols = shape
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
-    with np.errstate(all="ignore"):  # non-finite scales are the caller's check (all_finite)
-        q, scale, bias = split(blocks)
-    return PackedWeight(_pack(q, bits).reshape(rows, cols * bits // 32),
-                        scale.astype(np.float32).reshape(rows, cols // GROUP_SIZE),
-                        bias.astype(np.float32).reshape(rows, cols // GROUP_SIZE), bits)
+    groups = cols // GROUP_SIZE
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, groups, block_bytes)
+    weight = np.empty((rows, cols * bits // 32), dtype=np.uint32)
+    scales = np.empty((rows, groups), dtype=np.float32)
+    biases = np.empty((rows, groups), dtype=np.float32)
+    for start in range(0, rows, PACK_ROWS):
+        stop = min(start + PACK_ROWS, rows)
+        with np.errstate(all="ignore"):  # non-finite scales are the caller's check (all_finite)
+            q, scale, bias = split(blocks[start:stop].reshape(-1, block_bytes))
+        weight[start:stop] = _pack(q, bits).reshape(stop - start, -1)
+        scales[start:stop] = scale.reshape(stop - start, groups)
+        biases[start:stop] = bias.reshape(stop - start, groups)
+    return PackedWeight(weight, scales, biases, bits)
 
 
 def all_finite(packed: PackedWeight) -> bool:
