@@ -49,7 +49,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     run.add_argument("--model", default=None,
                      help="the base model (preset, pretrained name, checkpoint directory or .gguf); needed for a "
                           "new store, else must be the store's")
-    run.add_argument("--method", default=None, help="training method (default: the store's, or mebp for "
+    run.add_argument("--method", default=None, help="training method (default: the store's, or mesp for "
                                                     "decoders and bp for classifiers)")
     run.add_argument("--backend", default="torch-cpu")
     add_load_flags(run, dtype_default=None)

@@ -52,7 +52,7 @@ class Personaliser:
 
     model: a preset, pretrained name, checkpoint directory or GGUF file (as edgetrain.load_model takes);
         the store remembers it and refuses another. None: the store's (or none yet, to only add examples).
-    method: the training method (decoders: mebp by default, any LoRA method of the backend; classifiers:
+    method: the training method (decoders: mesp by default, any LoRA method of the backend; classifiers:
         bp, or fgd...). Remembered with the model.
     backend: where training runs ("torch-cpu", "torch-cuda", "mlx").
     rank, alpha, targets: the LoRA adapters of a decoder (fixed when the store is created).

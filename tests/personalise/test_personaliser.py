@@ -1,4 +1,4 @@
-"""The personaliser on a torch decoder (the tiny preset, LoRA, mebp): gated promotion on held-out
+"""The personaliser on a torch decoder (the tiny preset, LoRA, mesp by default): gated promotion on held-out
 perplexity, a harmful window rejected, forget and stale marks, rollback, kept versions, adapters in every
 format, pause/stop within one step, and a run killed -9 at random moments that resumes from its checkpoint
 and always serves a complete adapter."""
