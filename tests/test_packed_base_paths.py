@@ -269,3 +269,10 @@ def test_the_peak_of_a_command_is_measured_above_its_floor(tmp_path):
     assert floor > 50 * 2**20
     with pytest.raises(edgetrain.EdgetrainError, match="returned 2"):
         peak_rss_of_command(["train", "--method", "no-such-method", "--steps", "1", "--quiet"])
+
+
+def test_eval_refuses_binary_data_before_it_loads_the_model(gguf, loaded, tmp_path, capsys):
+    binary = tmp_path / "program.txt"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(range(256)) * 40)
+    assert main(["eval", "--model", str(gguf), "--data", str(binary), "--quiet"]) == 2
+    assert loaded == [] and "program.txt" in capsys.readouterr().err

@@ -68,7 +68,7 @@ def arms(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
 
 
 def gguf_arm(args: argparse.Namespace, base: str) -> str:
-    return f"mesp, {args.gguf} {base}, seq {args.gguf_seq} x {args.gguf_batch}
+    return f"mesp, {args.gguf} {base}, seq {args.gguf_seq} x {args.gguf_batch}"
 
 
 def _arm(name: str, config: ProfileConfig, records: dict[str, dict]) -> Arm:

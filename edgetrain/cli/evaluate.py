@@ -48,6 +48,8 @@ def main(args: argparse.Namespace) -> int:
     import itertools
 
     from edgetrain.data import text_stream
+    from edgetrain.data.binary import check_text_file
+    from edgetrain.data.files import find_text_files
     from edgetrain.data.tokenizer import model_tokenizer
     from edgetrain.registry import EdgetrainError
     from edgetrain.utils.logs import get_logger
@@ -56,6 +58,8 @@ def main(args: argparse.Namespace) -> int:
     if args.max_batches is not None and args.max_batches < 1:
         raise EdgetrainError(f"--max-batches must be at least 1, got {args.max_batches}")
     text = text_functions(args)  # the backend's own held_out_loss (torch or MLX)
+    for path in find_text_files(args.data):  # missing or binary data is refused before the model loads
+        check_text_file(path)
     model = load_model_and_adapter(args)
     stream = text_stream(args.seq, args.batch, paths=args.data, tokenizer=model_tokenizer(model),
                          vocab_size=model.config.vocab_size, epochs=1)
