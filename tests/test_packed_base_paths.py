@@ -73,30 +73,36 @@ def test_eval_and_generate_on_the_packed_base_give_the_dense_bases_numbers(gguf,
     assert _packed(loaded) == [True, False, True, False] and texts[0] == texts[1]
 
 
-def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf):
-    """eval never holds a batch's logits: its head runs on EVAL_TOKEN_CHUNK positions at a time; the sum is
-    the whole-logits cross-entropy's (ignored targets skipped)."""
+def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf, monkeypatch):
+    """eval never holds a batch's logits: the head reads its LM weight a tile of vocabulary rows at a time
+    (packed or dense), or a head it cannot tile runs a chunk of positions at a time; either sum is the
+    whole-logits cross-entropy's (ignored targets skipped)."""
     import torch.nn.functional as F
 
     from edgetrain.data.batch import Batch
-    from edgetrain.models.token_loss import summed_token_loss
+    from edgetrain.models import token_loss
 
-    model = edgetrain.load_model(gguf)
-    inputs = torch.randint(0, model.config.vocab_size, (3, 50))
-    targets = torch.randint(0, model.config.vocab_size, (3, 50))
+    inputs = torch.randint(0, 301, (3, 50))
+    targets = torch.randint(0, 301, (3, 50))
     targets[1, 10:30] = -100
-    batch = Batch(inputs, targets)
-    with torch.no_grad():
-        reference = F.cross_entropy(model(inputs).flatten(0, 1).double(), targets.flatten(), ignore_index=-100,
-                                    reduction="sum")
-        for chunk in (1, 7, 64, 1000):
-            total, tokens = summed_token_loss(model, inputs, targets, chunk)
-            # the same fp32 logits up to BLAS's row blocking, summed in fp64
-            assert tokens == 150 - 20 and total == pytest.approx(float(reference), rel=1e-6)
+    for model in (edgetrain.load_model(gguf), edgetrain.load_model(gguf, quantized=False)):
+        with torch.no_grad():
+            reference = float(F.cross_entropy(model(inputs).flatten(0, 1).double(), targets.flatten(),
+                                              ignore_index=-100, reduction="sum"))
+            for tile_rows in (7, 1000):  # tokens a pass (the vocabulary tiles are 512 or 4096 rows)
+                monkeypatch.setattr(token_loss, "TILED_TOKEN_ROWS", tile_rows)
+                total, tokens = token_loss.summed_token_loss(model, inputs, targets)
+                # the same fp32 logits up to BLAS's blocking, summed in fp64
+                assert tokens == 150 - 20 and total == pytest.approx(reference, rel=1e-6)
+            monkeypatch.setattr(token_loss, "_vocabulary_rows", lambda head, hidden: None)
+            for chunk in (1, 64, 1000):
+                assert token_loss.summed_token_loss(model, inputs, targets, chunk)[0] == pytest.approx(reference,
+                                                                                                      rel=1e-6)
+            monkeypatch.undo()
     # The learner's evaluation (the personaliser's gate) reads the same chunked loss.
     edgetrain.add_lora(model, rank=4)
-    metrics = edgetrain.Learner(model, method="mesp").evaluate([batch])
-    assert metrics["loss"] == pytest.approx(float(reference) / 130, rel=1e-6)
+    metrics = edgetrain.Learner(model, method="mesp").evaluate([Batch(inputs, targets)])
+    assert metrics["loss"] == pytest.approx(reference / 130, rel=1e-6)
 
 
 def test_generation_computes_the_last_positions_logits_only(gguf):

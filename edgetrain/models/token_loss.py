@@ -18,8 +18,10 @@ EVAL_TOKEN_CHUNK = 64
 def summed_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                       token_chunk: int = EVAL_TOKEN_CHUNK) -> tuple[float, int]:
     """(summed next-token cross-entropy in fp64, predicted tokens) of one batch: the blocks run on the whole
-    batch, the head on `token_chunk` predicted positions at a time (ignored ones, -100, are skipped), so
-    the logits never exist for the whole batch, as in training's chunked loss."""
+    batch; the head reads its LM weight a tile of vocabulary rows at a time with a running log-sum-exp, as
+    training's chunked loss does (edgetrain.methods.mesp.loss), so neither the logits nor a packed head's
+    dense table ever exist whole. A head it cannot tile (a bias, an adapter on the LM head) runs on
+    `token_chunk` predicted positions at a time. Ignored positions (-100) are skipped."""
     h = model.embed(inputs)
     for block in model.blocks:
         h = block(h)
@@ -27,14 +29,61 @@ def summed_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
     predicted = targets != IGNORE_INDEX
     hidden = h.flatten(0, 1)[predicted]
     targets = targets[predicted]
+    rows = _vocabulary_rows(model.head, hidden)
     total = 0.0
-    for start in range(0, targets.shape[0], token_chunk):
-        logits = model.head(hidden[start:start + token_chunk])
-        # fp32 log-softmax at least (lm_loss's precision), each token's loss summed in fp64
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        losses = F.cross_entropy(logits, targets[start:start + token_chunk], reduction="none")
+    for start in range(0, targets.shape[0], token_chunk if rows is None else TILED_TOKEN_ROWS):
+        stop = start + (token_chunk if rows is None else TILED_TOKEN_ROWS)
+        if rows is None:
+            logits = model.head(hidden[start:stop])
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # lm_loss's precision
+            losses = F.cross_entropy(logits, targets[start:stop], reduction="none")
+        else:
+            losses = _tiled_losses(model.head.norm(hidden[start:stop]), targets[start:stop], *rows)
         total += float(losses.sum(dtype=torch.float64))
     return total, int(targets.shape[0])
+
+
+# Positions per pass of the vocabulary tiles: [1024, 4096] fp32 logits are 16 MiB (a packed head on a CPU
+# reads 512 rows a tile: 2 MiB).
+TILED_TOKEN_ROWS = 1024
+
+
+def _vocabulary_rows(head: nn.Module, hidden: torch.Tensor):
+    """(vocabulary size, rows(start, stop) of the LM weight, tile rows) of a final-norm + LM-head module
+    whose weight can be read in tiles of rows (a plain Linear, a packed one, a packed tied head); else None."""
+    from edgetrain.methods.mesp.loss import default_vocab_chunk
+    from edgetrain.models.quantized import QuantizedLinear, TiedQuantizedHead
+
+    lm_head, norm = getattr(head, "lm_head", None), getattr(head, "norm", None)
+    if norm is None or getattr(lm_head, "bias", None) is not None:
+        return None
+    if type(lm_head) is nn.Linear:
+        weight = lm_head.weight
+        return weight.shape[0], (lambda start, stop: weight[start:stop]), default_vocab_chunk(False, hidden.device)
+    if isinstance(lm_head, (QuantizedLinear, TiedQuantizedHead)):
+        return (lm_head.out_features,
+                lambda start, stop: lm_head.dequantize_rows(start, stop, hidden.dtype, scratch=True),
+                default_vocab_chunk(True, hidden.device))
+    return None
+
+
+def _tiled_losses(normed: torch.Tensor, targets: torch.Tensor, vocab_size: int, rows, tile: int) -> torch.Tensor:
+    """Each position's -log softmax(normed W^T)[target], one [positions, tile] block of logits at a time."""
+    work = torch.promote_types(normed.dtype, torch.float32)
+    normed = normed.to(work)
+    running_max = torch.full((normed.shape[0], 1), float("-inf"), dtype=work, device=normed.device)
+    exp_sum = torch.zeros_like(running_max)
+    target_logits = torch.zeros_like(running_max)
+    wanted = targets.unsqueeze(1)
+    for start in range(0, vocab_size, tile):
+        logits = normed @ rows(start, min(start + tile, vocab_size)).to(work).t()
+        in_tile = (wanted >= start) & (wanted < start + logits.shape[1])
+        target_logits = torch.where(in_tile, logits.gather(1, (wanted - start).clamp(0, logits.shape[1] - 1)),
+                                    target_logits)
+        new_max = torch.maximum(running_max, logits.amax(1, keepdim=True))
+        exp_sum = exp_sum * (running_max - new_max).exp() + (logits - new_max).exp().sum(1, keepdim=True)
+        running_max = new_max
+    return (running_max + exp_sum.log() - target_logits).squeeze(1)
 
 
 def is_block_decoder(model: nn.Module) -> bool:
