@@ -80,6 +80,7 @@ def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf, monkeypatc
     import torch.nn.functional as F
 
     from edgetrain.data.batch import Batch
+    from edgetrain.methods.mesp import loss as mesp_loss
     from edgetrain.models import token_loss
 
     inputs = torch.randint(0, 301, (3, 50))
@@ -89,8 +90,9 @@ def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf, monkeypatc
         with torch.no_grad():
             reference = float(F.cross_entropy(model(inputs).flatten(0, 1).double(), targets.flatten(),
                                               ignore_index=-100, reduction="sum"))
-            for tile_rows in (7, 1000):  # tokens a pass (the vocabulary tiles are 512 or 4096 rows)
+            for tile_rows, vocab_tile in ((7, 13), (1000, 64), (1000, 4096)):  # positions a pass, rows a tile
                 monkeypatch.setattr(token_loss, "TILED_TOKEN_ROWS", tile_rows)
+                monkeypatch.setattr(mesp_loss, "default_vocab_chunk", lambda quantized, device: vocab_tile)
                 total, tokens = token_loss.summed_token_loss(model, inputs, targets)
                 # the same fp32 logits up to BLAS's blocking, summed in fp64
                 assert tokens == 150 - 20 and total == pytest.approx(reference, rel=1e-6)
