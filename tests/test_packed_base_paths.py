@@ -284,3 +284,13 @@ def test_eval_refuses_binary_data_before_it_loads_the_model(gguf, loaded, tmp_pa
     binary.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(range(256)) * 40)
     assert main(["eval", "--model", str(gguf), "--data", str(binary), "--quiet"]) == 2
     assert loaded == [] and "program.txt" in capsys.readouterr().err
+
+
+def test_a_long_eval_says_how_far_it_is(gguf, capsys):
+    """Without a terminal (no bar) eval logs every tenth of its batches, after saying how many it will read."""
+    assert main(["eval", "--model", str(gguf), "--data", str(gguf.parent / "train.txt"), "--seq", "16", "--batch",
+                 "1", "--max-batches", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "evaluating 20 batch(es) of 1 x 16 tokens" in err and "base kept as stored" in err
+    assert [f"evaluated {done} of 20 batches" in err for done in (2, 10, 18)] == [True, True, True]
+    assert "evaluated 20 of 20" not in err  # the result line says it
