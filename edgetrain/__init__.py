@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY = {
     "MODEL_PRESETS": "edgetrain.models", "load_model": "edgetrain.models",
-    "LoadOptions": "edgetrain.models.load_options",
+    "LoadOptions": "edgetrain.backends.load_options",
     "LoraConfig": "edgetrain.models.lora", "add_lora": "edgetrain.adapters.portable",
     "load_lora": "edgetrain.models.lora", "merge_lora": "edgetrain.models.lora", "save_lora": "edgetrain.adapters.portable",
     "unmerge_lora": "edgetrain.models.lora",
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from edgetrain.training.learner import Learner
     from edgetrain.training.stats import StepStats
     from edgetrain.models import MODEL_PRESETS, load_model
-    from edgetrain.models.load_options import LoadOptions
+    from edgetrain.backends.load_options import LoadOptions
     from edgetrain.models.generate import generate, held_out_loss
     from edgetrain.adapters.portable import add_lora, save_lora
     from edgetrain.models.lora import LoraConfig, load_lora, merge_lora, unmerge_lora

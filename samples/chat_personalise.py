@@ -25,7 +25,7 @@ from typing import Any
 
 from edgetrain.data.chat_template import chat_template_for
 from edgetrain.models.generate import generate
-from edgetrain.models.load_options import LoadOptions, add_load_flags
+from edgetrain.backends.load_options import LoadOptions, add_load_flags
 from edgetrain.personalise import Personaliser, Policy
 
 

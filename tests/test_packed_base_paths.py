@@ -13,7 +13,7 @@ import torch
 
 import edgetrain
 from edgetrain.cli import main
-from edgetrain.models.load_options import LoadOptions
+from edgetrain.backends.load_options import LoadOptions
 from edgetrain.models.quantized import packed_matrix_count
 
 CORPUS = "the device learns where it runs, and keeps what it learned. " * 60

@@ -30,7 +30,7 @@ def _safetensors_copy(gguf: Path, directory: Path) -> Path:
 
     from edgetrain.models.llama import edgetrain_key_to_hf
 
-    model = edgetrain.load_model(str(gguf))
+    model = edgetrain.load_model(str(gguf), quantized=False)  # dense: written out as fp32 safetensors
     directory.mkdir()
     config = {k: v for k, v in dataclasses.asdict(model.config).items() if v is not None}
     (directory / "config.json").write_text(json.dumps(config))

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter, text_functions
-from edgetrain.models.load_options import LoadOptions
+from edgetrain.backends.load_options import LoadOptions
 
 # Without a terminal (no bar), a long evaluation says how far it is at every tenth of its batches.
 _LOG_FRACTION = 10

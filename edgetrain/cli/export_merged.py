@@ -23,7 +23,7 @@ def _gguf_base(model_arg: str) -> Path:
 def write_merged(args: argparse.Namespace) -> int:
     import edgetrain
     from edgetrain.export.merged import MergeError, save_merged_gguf, save_merged_hf
-    from edgetrain.models.load_options import LoadOptions
+    from edgetrain.backends.load_options import LoadOptions
     from edgetrain.models import parse_dtype
 
     if args.adapter is None:

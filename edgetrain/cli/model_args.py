@@ -6,7 +6,7 @@ import argparse
 from types import ModuleType
 from typing import Any
 
-from edgetrain.models.load_options import LoadOptions, add_load_flags
+from edgetrain.backends.load_options import LoadOptions, add_load_flags
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edgetrain.models.load_options import LoadOptions, add_load_flags
+from edgetrain.backends.load_options import LoadOptions, add_load_flags
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from edgetrain.models.load_options import add_load_flags
+from edgetrain.backends.load_options import add_load_flags
 
 # The first method is the ratio reference. mesp needs a LoRA decoder; the forward-gradient methods
 # train every weight of small vision/text classifiers.

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Callable
 
-from edgetrain.models.load_options import LoadOptions, add_load_flags
+from edgetrain.backends.load_options import LoadOptions, add_load_flags
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from edgetrain.models import (convnet, decoder_presets, lstm, mlp, mobilenet, re
                               text_transformer, vit)
 from edgetrain.models.hf_checkpoint import CheckpointError, load_checkpoint_dir
 from edgetrain.models.llama import ConfigError, LlamaConfig, LlamaModel
-from edgetrain.models.load_options import LoadOptions
+from edgetrain.backends.load_options import LoadOptions
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS, run_blocks
 from edgetrain.probes.glibc import release_free_heap
 from edgetrain.registry import EdgetrainError
@@ -43,7 +43,7 @@ def load_model(name_or_path: str | Path, backend: str = "torch", dtype: str | to
     "torch-cpu", "torch-cuda", "mlx": the MLX decoder, `device` unused). `adapter` loads a LoRA adapter into
     it: an edgetrain file, a PEFT or an mlx-lm directory (detected).
 
-    How the frozen base is held is one LoadOptions (edgetrain.models.load_options), given as `options` or
+    How the frozen base is held is one LoadOptions (edgetrain.backends.load_options), given as `options` or
     built from the keywords: a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay packed as stored by default, on
     torch and MLX alike, each dequantised one tile at a time only while it computes; `quantized=False`
     (LoadOptions(dequantize=True)) holds them dense in `dtype`; `quantize_bits=4` or `8` (MLX: 2, 3, 4, 6,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edgetrain.models.load_options import LoadOptions
+from edgetrain.backends.load_options import LoadOptions
 from edgetrain.personalise.errors import BadExampleError, ModelMismatchError, PersonaliseError, StoreBusyError, \
     WrongKindError
 from edgetrain.personalise.examples import ModelKind, example_from_body

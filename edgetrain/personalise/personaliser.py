@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
-from edgetrain.models.load_options import LoadOptions
+from edgetrain.backends.load_options import LoadOptions
 from edgetrain.personalise.binding import (bind, bound_load_options, check_bound, check_holdout_every, load_base,
                                            make_kind)
 from edgetrain.personalise.errors import PersonaliseError

@@ -31,7 +31,7 @@ class ProfileConfig:
         return asdict(self)
 
     def load_options(self) -> Any:
-        """The LoadOptions every user path builds from the same flags (edgetrain.models.load_options)."""
-        from edgetrain.models.load_options import LoadOptions
+        """The LoadOptions every user path builds from the same flags (edgetrain.backends.load_options)."""
+        from edgetrain.backends.load_options import LoadOptions
 
         return LoadOptions(dequantize=self.dequantize, quantize_bits=self.quantize_bits, dtype=self.dtype)

@@ -14,7 +14,7 @@ pytest.importorskip("gguf")
 import edgetrain  # noqa: E402
 from edgetrain.backends.mlx.quantize import packed_matrix_count  # noqa: E402
 from edgetrain.cli import main  # noqa: E402
-from edgetrain.models.load_options import LoadOptions  # noqa: E402
+from edgetrain.backends.load_options import LoadOptions  # noqa: E402
 
 from gguf_testkit import Q, hf_model, write_gguf  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain.models.load_options import LoadOptions, LoadOptionsError, add_load_flags
+from edgetrain.backends.load_options import LoadOptions, LoadOptionsError, add_load_flags
 from edgetrain.models.quantized import PackedMatrix, TiedQuantizedHead, packed_matrix_count
 
 

@@ -67,7 +67,7 @@ def load_gguf_mlx(path: str | Path, dtype: str | mx.Dtype = "float32",
                   compute_mode: ComputeMode | None = None, *, packed: bool = True) -> MLXDecoder:
     """A llama / qwen2 MLXDecoder from a GGUF file: Q4_0 / Q4_1 / Q8_0 block projections stay quantised
     (see the module docstring), everything else is dense in `dtype`; `packed=False` holds every weight
-    dense in `dtype` (edgetrain.models.load_options: --dequantize). The file's byte-level BPE
+    dense in `dtype` (edgetrain.backends.load_options: --dequantize). The file's byte-level BPE
     vocabulary, when it has one, becomes `model.tokenizer`, as with the torch loader."""
     gguf = read_gguf(path)
     config = config_from_metadata(gguf)

@@ -24,7 +24,7 @@ from edgetrain.backends.mlx.loading import load_mlx_model
 from edgetrain.backends.mlx.lora import add_lora, set_parameters, trainable_parameters
 from edgetrain.backends.mlx.methods import MLX_METHODS
 from edgetrain.backends.mlx.quantize import packed_matrix_count
-from edgetrain.models.load_options import LoadOptions
+from edgetrain.backends.load_options import LoadOptions
 from edgetrain.training.learner import Learner
 
 
