@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-
 from collections.abc import Iterator
 from typing import Any
 
-from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter, text_functions
 from edgetrain.backends.load_options import LoadOptions
+from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter, text_functions
 
 # Without a terminal (no bar), a long evaluation says how far it is at every tenth of its batches.
 _LOG_FRACTION = 10
@@ -69,8 +68,8 @@ def main(args: argparse.Namespace) -> int:
              stream.source, LoadOptions.from_args(args).describe())
     with progress_bar(total, description="eval", unit="batch", enabled=not args.quiet) as bar:
         result = text.held_out_loss(model, counted(itertools.islice(iter(stream), total), bar, log, total))
-    log.info("held-out loss %.4f nats/token, perplexity %.3f over %d tokens (%s)", result.loss,
-                              result.perplexity, result.tokens, stream.source)
+    log.info("held-out loss %.4f nats/token, perplexity %.3f over %d tokens (%s)", result.loss, result.perplexity,
+             result.tokens, stream.source)
     print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
                       "batches": result.batches}))
     return 0

@@ -6,12 +6,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from edgetrain.backends.load_options import LoadOptions
 # Importing a model module registers its presets.
 from edgetrain.models import (convnet, decoder_presets, lstm, mlp, mobilenet, resnet,  # noqa: F401
                               text_transformer, vit)
 from edgetrain.models.hf_checkpoint import CheckpointError, load_checkpoint_dir
 from edgetrain.models.llama import ConfigError, LlamaConfig, LlamaModel
-from edgetrain.backends.load_options import LoadOptions
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS, run_blocks
 from edgetrain.probes.glibc import release_free_heap
 from edgetrain.registry import EdgetrainError
