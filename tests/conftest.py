@@ -77,3 +77,20 @@ def smollm2_file():
         return fetch("smollm2-135m")
     except ModelDownloadError as exc:
         pytest.skip(f"SmolLM2-135M GGUF not available (offline?): {exc}")
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """Every model edgetrain.load_model returns during the test, in order (what the CLI and the
+    personaliser really loaded: packed or dense)."""
+    import edgetrain
+
+    models = []
+    real = edgetrain.models.load_model
+
+    def spy(*args, **kwargs):
+        models.append(real(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(edgetrain, "load_model", spy)
+    return models

@@ -28,20 +28,6 @@ def gguf(tmp_path_factory):
     return write_gguf(directory / "model.gguf", hf_model("qwen2"), Q.Q4_1)
 
 
-@pytest.fixture
-def loaded(monkeypatch):
-    """Every model edgetrain.load_model returns in this test, in order."""
-    models = []
-    real = edgetrain.models.load_model
-
-    def spy(*args, **kwargs):
-        models.append(real(*args, **kwargs))
-        return models[-1]
-
-    monkeypatch.setattr(edgetrain, "load_model", spy)
-    return models
-
-
 def _packed(models) -> list[bool]:
     return [packed_matrix_count(model) > 0 for model in models]
 

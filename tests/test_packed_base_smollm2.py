@@ -17,19 +17,6 @@ pytestmark = pytest.mark.slow
 TEXT = "The with statement is used to wrap the execution of a block with methods defined by a context manager. "
 
 
-@pytest.fixture
-def loaded(monkeypatch):
-    models = []
-    real = edgetrain.models.load_model
-
-    def spy(*args, **kwargs):
-        models.append(real(*args, **kwargs))
-        return models[-1]
-
-    monkeypatch.setattr(edgetrain, "load_model", spy)
-    return models
-
-
 def test_eval_on_the_packed_base_equals_the_dequantised_base(smollm2_file, loaded, tmp_path, capsys):
     data = tmp_path / "held_out.txt"
     data.write_text(TEXT * 40)

@@ -22,7 +22,7 @@ from torch import nn
 from edgetrain.backends.base import text_functions_for
 from edgetrain.data.batch import Batch
 from edgetrain.models.llama import Attention, DecoderBlock, apply_rope, rope_cos_sin
-from edgetrain.models.token_loss import EVAL_TOKEN_CHUNK, summed_token_loss  # noqa: F401  (EVAL_TOKEN_CHUNK: MLX's too)
+from edgetrain.models.token_loss import is_block_decoder, summed_token_loss
 from edgetrain.registry import EdgetrainError
 
 
@@ -62,8 +62,7 @@ def _block(block: DecoderBlock, h: torch.Tensor, cache: KVCache, index: int, sta
 
 
 def _require_decoder(model: nn.Module) -> None:
-    blocks = getattr(model, "blocks", None)
-    if getattr(model, "task", None) != "lm" or blocks is None or not all(isinstance(b, DecoderBlock) for b in blocks):
+    if not is_block_decoder(model):
         raise EdgetrainError(f"generation needs a decoder language model (llama/qwen2); got {type(model).__name__}")
 
 
@@ -200,7 +199,7 @@ class HeldOutLoss:
 @torch.no_grad()
 def held_out_loss(model: Any, batches: Iterable[Batch] | Iterator[Batch]) -> HeldOutLoss:
     """Mean token loss of the model over `batches` (targets -100 ignored), weighted by tokens, not batches;
-    the logits are computed EVAL_TOKEN_CHUNK positions at a time (summed_token_loss)."""
+    the head reads its weight a tile of vocabulary rows at a time (edgetrain.models.token_loss)."""
     if not isinstance(model, nn.Module):
         return text_functions_for(model).held_out_loss(model, batches)
     _require_decoder(model)

@@ -21,6 +21,7 @@ import edgetrain
 from edgetrain.adapters.convert import FORMATS, convert_adapter, load_adapter
 from edgetrain.models.lora import AdapterError, LoraConfig, adapter_tensor_place, lora_layers, lora_state_dict
 from edgetrain.models.lora import write_lora_file
+from adapter_state import snapshot, unchanged
 from fault_tally import attempt, refused
 
 FAULT = "adapters"
@@ -153,19 +154,6 @@ def _names_it(error: Exception, bad: str) -> bool:
     return _shown(bad) in str(error) or (".999." in bad and "blocks.999.self_attn.q_proj" in str(error))
 
 
-def _snapshot(model):
-    return ({name: p.detach().clone() for name, p in model.state_dict().items()},
-            {name: p.requires_grad for name, p in model.named_parameters()}, len(lora_layers(model)))
-
-
-def _unchanged(model, snapshot) -> bool:
-    state, flags, adapters = snapshot
-    now = model.state_dict()
-    return (set(now) == set(state) and all(torch.equal(now[k], v) for k, v in state.items())
-            and {n: p.requires_grad for n, p in model.named_parameters()} == flags
-            and len(lora_layers(model)) == adapters)
-
-
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_converting_an_adapter_names_the_tensor_it_cannot_place(source, case, tmp_path, monkeypatch):
@@ -188,13 +176,13 @@ def test_loading_an_adapter_names_the_tensor_it_cannot_place_and_changes_nothing
     model = _decoder(seed=3)
     if has_adapters:
         edgetrain.add_lora(model, rank=2, alpha=4.0, targets=("q", "v"))
-    before = _snapshot(model)
+    before = snapshot(model)
     error = refused(FAULT, lambda: load_adapter(model, path))
     assert _names_it(error, bad), error
-    assert _unchanged(model, before)
+    assert unchanged(model, before)
     if source == "edgetrain":
         error = refused(FAULT, lambda: edgetrain.load_lora(model, path))
-        assert _names_it(error, bad) and _unchanged(model, before), error
+        assert _names_it(error, bad) and unchanged(model, before), error
 
 
 @pytest.mark.skipif(not HAS_MLX, reason="mlx is not installed")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import edgetrain
 from edgetrain.training.checkpoint import atomic_save_safetensors
 from edgetrain.models.lora import LoraConfig, lora_layers, lora_state_dict
+from adapter_state import snapshot, unchanged
 from fault_tally import attempt, fuzz_settings, refused
 
 FAULT = "adapters"
@@ -34,19 +35,6 @@ def _trained_adapter(path, rank: int = 4, alpha: float = 8.0, targets=("q", "v")
             param.copy_(torch.randn_like(param) * 0.05)
     edgetrain.save_lora(model, path)
     return model
-
-
-def _snapshot(model):
-    return ({name: p.detach().clone() for name, p in model.state_dict().items()},
-            {name: p.requires_grad for name, p in model.named_parameters()}, len(lora_layers(model)))
-
-
-def _unchanged(model, snapshot) -> bool:
-    state, flags, adapters = snapshot
-    now = model.state_dict()
-    return (set(now) == set(state) and all(torch.equal(now[k], v) for k, v in state.items())
-            and {n: p.requires_grad for n, p in model.named_parameters()} == flags
-            and len(lora_layers(model)) == adapters)
 
 
 def _rewrite(path, tensors=None, config=None, raw_config: str | None = None):
@@ -97,9 +85,9 @@ def test_an_adapter_that_does_not_fit_is_refused_and_the_model_is_untouched(tmp_
     model = _decoder()
     if has_adapters:
         edgetrain.add_lora(model, rank=4, alpha=8.0, targets=("q", "v"))
-    before = _snapshot(model)
+    before = snapshot(model)
     refused(FAULT, lambda: edgetrain.load_lora(model, path), match=str(path))
-    assert _unchanged(model, before)
+    assert unchanged(model, before)
 
 
 @FUZZ
@@ -121,7 +109,7 @@ def test_a_hostile_lora_config_is_refused_or_taken_exactly(tmp_path, raw):
     _trained_adapter(path)
     _rewrite(path, raw_config=raw)
     model = _decoder()
-    before = _snapshot(model)
+    before = snapshot(model)
 
     def as_written(loaded) -> bool:
         # Accepted only when the config is the one the tensors were trained with, read exactly.
@@ -131,7 +119,7 @@ def test_a_hostile_lora_config_is_refused_or_taken_exactly(tmp_path, raw):
 
     outcome = attempt(FAULT, lambda: edgetrain.load_lora(model, path), sound=as_written)
     if isinstance(outcome, edgetrain.EdgetrainError):
-        assert _unchanged(model, before)
+        assert unchanged(model, before)
 
 
 def test_a_good_adapter_still_loads_into_a_fresh_model_and_one_with_the_same_adapters(tmp_path):
