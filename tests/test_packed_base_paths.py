@@ -280,3 +280,67 @@ def test_a_long_eval_says_how_far_it_is(gguf, capsys):
     assert "evaluating 20 batch(es) of 1 x 16 tokens" in err and "base kept as stored" in err
     assert [f"evaluated {done} of 20 batches" in err for done in (2, 10, 18)] == [True, True, True]
     assert "evaluated 20 of 20" not in err  # the result line says it
+
+
+def test_train_and_personalise_import_no_dynamo_and_pin_the_heap(gguf, tmp_path):
+    """What kept these paths 70 MiB and more above `edgetrain train`'s figure: torch.optim's first step and
+    a meta-device LlamaModel built with its initialisers (the adapter check) import torch._dynamo, and a
+    personaliser left glibc's dynamic mmap threshold to keep freed blocks resident. Each command runs in a
+    fresh interpreter, as a user's does."""
+    import subprocess
+    import sys
+
+    notes = [tmp_path / f"note{i}.txt" for i in range(6)]
+    for i, note in enumerate(notes):
+        note.write_text(f"note {i}: " + CORPUS[: 200 + 10 * i])
+    store = tmp_path / "store"
+    assert main(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes)]) == 0
+    small = ["--seq", "16", "--batch", "2", "--quiet"]
+    commands = {"train": ["train", "--model", str(gguf), "--method", "mesp", "--steps", "2",
+                          "--files", str(gguf.parent / "train.txt"), *small],
+                "personalise run": ["personalise", "run", "--store", str(store), "--model", str(gguf),
+                                    "--max-steps", "2", "--window-steps", "2", *small]}
+    code = ("import json, sys\n"
+            "from edgetrain.cli import main\n"
+            "code = main(sys.argv[1:])\n"
+            "print(json.dumps([code, 'torch._dynamo' in sys.modules]))")
+    for path, command in commands.items():
+        done = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (path, done.stderr[-2000:])
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, False], path
+    # The personaliser pins the threshold itself (train's memory probe does it for train).
+    from edgetrain.personalise import personaliser as personaliser_module
+
+    with edgetrain.Personaliser(store) as personaliser:
+        pinned = []
+        original = personaliser_module.fix_malloc_mmap_threshold
+        personaliser_module.fix_malloc_mmap_threshold = lambda *a: pinned.append(1) or original(*a)
+        try:
+            personaliser.require_model()
+        finally:
+            personaliser_module.fix_malloc_mmap_threshold = original
+        assert pinned == [1]
+
+
+def test_held_out_blocks_run_a_few_rows_at_a_time_to_the_same_loss(gguf, monkeypatch):
+    """The personaliser's gate evaluates 16 rows at once; the blocks see rows_per_pass of them (whole rows,
+    at most EVAL_BLOCK_POSITIONS positions) and the summed loss is the whole batch's."""
+    import torch.nn.functional as F
+
+    from edgetrain.models import token_loss
+
+    model = edgetrain.load_model(gguf)
+    inputs = torch.randint(0, 301, (5, 40))
+    targets = torch.randint(0, 301, (5, 40))
+    targets[3, :25] = -100
+    seen: list[int] = []
+    model.blocks[0].register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+    with torch.no_grad():
+        reference = float(F.cross_entropy(model(inputs).flatten(0, 1).double(), targets.flatten(),
+                                          ignore_index=-100, reduction="sum"))
+        for positions, rows in ((512, [5]), (80, [2, 2, 1]), (1, [1] * 5)):
+            monkeypatch.setattr(token_loss, "EVAL_BLOCK_POSITIONS", positions)
+            seen.clear()
+            total, tokens = token_loss.summed_token_loss(model, inputs, targets)
+            assert seen == rows and tokens == 200 - 25
+            assert total == pytest.approx(reference, rel=1e-6)

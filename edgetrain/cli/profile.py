@@ -20,13 +20,12 @@ def model_task(name_or_path: str) -> str:
     """"lm" or "classify" for a preset name or checkpoint directory, without allocating weights."""
     from pathlib import Path
 
-    import torch
-
+    from edgetrain.models.meta_build import meta_without_init
     from edgetrain.models.zoo import MODEL_PRESETS
 
     if Path(name_or_path).is_dir():
         return "lm"  # checkpoint directories hold HF-format decoders
-    with torch.device("meta"):
+    with meta_without_init():
         return MODEL_PRESETS.get(name_or_path)().task
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from edgetrain.backends.torch import eager_optimizers
 from edgetrain.data.batch import Batch
 from edgetrain.registry import EdgetrainError, Registry
 
@@ -77,10 +78,13 @@ def require_finite_gradients(params: dict[str, nn.Parameter], method: str) -> No
             raise NonFiniteError(f"{method}: non-finite gradient estimate for {name}; no weight was changed")
 
 
+PLAIN_SGD_TYPES = (torch.optim.SGD, eager_optimizers.SGD)
+
+
 def plain_sgd_learning_rates(optimizer: torch.optim.Optimizer) -> dict[int, float] | None:
     """{id(param): lr} when every group is SGD without momentum, weight decay, maximize or the fused
     kernel (the update is then p - lr * grad, no state, and can be applied in place); None otherwise."""
-    if type(optimizer) is not torch.optim.SGD:
+    if type(optimizer) not in PLAIN_SGD_TYPES:  # a subclass may change what step does
         return None
     rates = {}
     for group in optimizer.param_groups:

@@ -1,6 +1,8 @@
-"""Held-out loss of a decoder without its whole logits: the blocks run on the whole batch, the head on a
-chunk of predicted positions at a time, as training's chunked loss does. A batch of 16 x 64 positions of
-SmolLM2 would otherwise hold 192 MiB of fp32 logits and their log-softmax as much again."""
+"""Held-out loss of a decoder without its whole logits or its whole batch's activations: the blocks run on
+a few rows (sequences) at a time, the head on a chunk of predicted positions at a time, as training's
+chunked loss does. A batch of 16 x 64 positions of SmolLM2 would otherwise hold 192 MiB of fp32 logits and
+their log-softmax as much again; the personaliser's gate batch of 16 x 256 positions held 70 MiB of one
+block's attention scores and MLP activations."""
 from __future__ import annotations
 
 import torch
@@ -15,13 +17,35 @@ from edgetrain.training.losses import IGNORE_INDEX
 EVAL_TOKEN_CHUNK = 64
 
 
+# Positions the blocks run on at once: whole rows (a sequence attends only to itself), as many as fit. For
+# SmolLM2 512 positions are 3 MiB of one MLP activation; 16 rows of 256 held 70 MiB of one block's temporaries.
+EVAL_BLOCK_POSITIONS = 512
+
+
+def rows_per_pass(seq_len: int, positions: int | None = None) -> int:
+    """Rows of `seq_len` positions the blocks run on together: at least one, at most `positions`
+    (EVAL_BLOCK_POSITIONS) positions."""
+    return max(1, (positions or EVAL_BLOCK_POSITIONS) // max(1, seq_len))
+
+
 def summed_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                       token_chunk: int = EVAL_TOKEN_CHUNK) -> tuple[float, int]:
-    """(summed next-token cross-entropy in fp64, predicted tokens) of one batch: the blocks run on the whole
-    batch; the head reads its LM weight a tile of vocabulary rows at a time with a running log-sum-exp, as
-    training's chunked loss does (edgetrain.methods.mesp.loss), so neither the logits nor a packed head's
-    dense table ever exist whole. A head it cannot tile (a bias, an adapter on the LM head) runs on
-    `token_chunk` predicted positions at a time. Ignored positions (-100) are skipped."""
+    """(summed next-token cross-entropy in fp64, predicted tokens) of one batch: the blocks run on
+    rows_per_pass rows at a time; the head reads its LM weight a tile of vocabulary rows at a time with a
+    running log-sum-exp, as training's chunked loss does (edgetrain.methods.mesp.loss), so neither the
+    logits nor a packed head's dense table ever exist whole. A head it cannot tile (a bias, an adapter on
+    the LM head) runs on `token_chunk` predicted positions at a time. Ignored positions (-100) are skipped."""
+    step = rows_per_pass(inputs.shape[1])
+    total, count = 0.0, 0
+    for start in range(0, inputs.shape[0], step):
+        rows_total, rows_count = _rows_token_loss(model, inputs[start:start + step], targets[start:start + step],
+                                                  token_chunk)
+        total, count = total + rows_total, count + rows_count
+    return total, count
+
+
+def _rows_token_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     token_chunk: int) -> tuple[float, int]:
     h = model.embed(inputs)
     for block in model.blocks:
         h = block(h)

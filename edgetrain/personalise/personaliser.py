@@ -42,6 +42,7 @@ from edgetrain.personalise.sensors import as_sensors
 from edgetrain.personalise.store import EVENTS, Store
 from edgetrain.personalise.versions import Version, Versions, check_keep
 from edgetrain.personalise.window import discard_window_files
+from edgetrain.probes.glibc import fix_malloc_mmap_threshold
 from edgetrain.registry import EdgetrainError
 
 __all__ = ["Personaliser", "RunResult"]
@@ -157,6 +158,11 @@ class Personaliser:
 
     def _load_base(self, name: str) -> Any:
         """The base model, the same weights in every process (presets are random init: seeded)."""
+        # As `edgetrain train` does through its memory probe: with glibc's dynamic mmap threshold, blocks
+        # of up to 32 MiB freed by a step stay resident in the heap and the next steps fragment it (on
+        # SmolLM2 a window's steps held 70 MiB more than train's). Pinned, every block of 64 KiB or more
+        # goes back to the kernel when freed. No-op off glibc.
+        fix_malloc_mmap_threshold()
         return load_base(name, self.backend_name, self.seed, self.load_options)
 
     def require_model(self) -> tuple[Any, Any]:

@@ -158,9 +158,10 @@ def profile_torch_method(config) -> dict[str, Any]:
 
 
 def _runtime_baseline_bytes(probe_name: str) -> int | None:
-    """What this process holds with torch's runtime loaded and nothing built (about 220 MiB on Linux): torch,
-    edgetrain's training code, and torch._dynamo, which a torch optimizer imports on first use (about 70 MiB
-    of Python objects). The footprint is counted from here."""
+    """What this process holds with torch's runtime loaded and nothing built (about 290 MiB on Linux): torch,
+    edgetrain's training code, and torch._dynamo (about 70 MiB of Python objects), which torch.optim and
+    torch.utils.checkpoint (mebp) import on first use and edgetrain's own optimizers do not. The footprint is
+    counted from here, so methods compare on their steps alone, not on which of torch's modules they touch."""
     import torch
 
     import edgetrain.training.learner  # noqa: F401

@@ -65,8 +65,14 @@ def test_the_chunked_held_out_loss_equals_the_whole_logits_loss(gguf):
     keep = wanted != -100
     top = flat.max(-1, keepdims=True)
     whole = (np.log(np.exp(flat - top).sum(-1)) + top[:, 0] - flat[np.arange(flat.shape[0]), np.maximum(wanted, 0)])
-    for chunk in (3, 64):
-        losses = token_losses(model, mx.array(inputs.numpy(), dtype=mx.int32), mx.array(targets.numpy()), chunk)
+    from edgetrain.models import token_loss
+
+    for chunk, block_positions in ((3, 512), (64, 512), (64, 40)):  # 40 positions: the blocks see a row a pass
+        token_loss.EVAL_BLOCK_POSITIONS, saved = block_positions, token_loss.EVAL_BLOCK_POSITIONS
+        try:
+            losses = token_losses(model, mx.array(inputs.numpy(), dtype=mx.int32), mx.array(targets.numpy()), chunk)
+        finally:
+            token_loss.EVAL_BLOCK_POSITIONS = saved
         assert losses.size == keep.sum() == 60
         np.testing.assert_allclose(losses, whole[keep], rtol=1e-4, atol=1e-5)
     # The learner's evaluation (the personaliser's gate) reads the same chunked losses.

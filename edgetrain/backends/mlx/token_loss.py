@@ -1,16 +1,25 @@
-"""Per-token held-out loss of an MLX decoder without its whole logits: the blocks run on the whole batch,
-the head on EVAL_TOKEN_CHUNK predicted positions at a time (the torch side: edgetrain.models.token_loss)."""
+"""Per-token held-out loss of an MLX decoder without its whole logits: the blocks run on a few rows at a
+time (rows_per_pass), the head on EVAL_TOKEN_CHUNK predicted positions at a time (the torch side:
+edgetrain.models.token_loss)."""
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
-from edgetrain.models.token_loss import EVAL_TOKEN_CHUNK
+from edgetrain.models.token_loss import EVAL_TOKEN_CHUNK, rows_per_pass
 from edgetrain.training.losses import IGNORE_INDEX
 
 
 def token_losses(model: "object", inputs: mx.array, targets: mx.array, token_chunk: int | None = None) -> np.ndarray:
-    """The next-token cross-entropy of every position with a target, float64 (fp32 log-softmax, as lm_loss)."""
+    """The next-token cross-entropy of every position with a target, float64 (fp32 log-softmax, as lm_loss),
+    in row order."""
+    step = rows_per_pass(inputs.shape[1])
+    parts = [_rows_token_losses(model, inputs[start:start + step], targets[start:start + step], token_chunk)
+             for start in range(0, inputs.shape[0], step)]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _rows_token_losses(model: "object", inputs: mx.array, targets: mx.array, token_chunk: int | None) -> np.ndarray:
     chunk = token_chunk or EVAL_TOKEN_CHUNK
     h = model.embed(inputs)
     rope = model.rope(inputs.shape[1], h.dtype)

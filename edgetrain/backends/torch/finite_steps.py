@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgetrain.backends.torch import eager_optimizers
 from edgetrain.methods.base import NonFiniteError, plain_sgd_learning_rates, require_finite_update, require_step_fits
 
 
@@ -20,11 +21,18 @@ class FiniteOptimizerSteps:
 
     How the result is checked depends on the optimizer. Plain SGD (no momentum, weight decay, maximize
     or fused kernel) keeps no state and writes p - lr * grad: that value is computed for one parameter
-    at a time into a temporary and checked before the step, so no copy of the weights is kept. Any
-    other optimizer's result cannot be known without running it: the parameters being stepped (those
-    with a .grad) and their optimizer state are copied before the step, checked after it and put back
-    if any came out non-finite. The copy lives only during optimizer.step(), after the backward has
-    freed the activations; for LoRA it is adapter-sized."""
+    at a time into a temporary and checked before the step, so no copy of the weights is kept.
+    edgetrain's own optimizers (eager_optimizers, what the learner builds by name) run their step on
+    copies of one parameter and its state at a time (`trial_update`, the same arithmetic), so the whole
+    step is checked before anything changes while only one parameter's copy is held: for Adam on LoRA
+    that is three adapter-sized copies fewer at the step's peak. Any other optimizer's result cannot be
+    known without running it: the parameters being stepped (those with a .grad) and their optimizer
+    state are copied before the step, checked after it and put back if any came out non-finite. The copy
+    lives only during optimizer.step(), after the backward has freed the activations.
+
+    A result counts as non-finite when the weight or any of its optimizer state does: Adam's second
+    moment overflows (grad**2 past the dtype's range) while the weight itself stays finite, and would
+    then freeze that weight for good."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> None:
         self.names = {id(p): name for name, p in params.items()}
@@ -49,6 +57,14 @@ class FiniteOptimizerSteps:
                 require_finite_update(torch.add(param, param.grad, alpha=-rates[id(param)]), self._name(param),
                                       "sgd")
             return
+        if isinstance(optimizer, eager_optimizers.EagerStep) and optimizer.plain():
+            for param in stepped:
+                value, state = optimizer.trial_update(param)
+                if not _finite(value, state):
+                    raise NonFiniteError(f"{type(optimizer).__name__}: the update of {self._name(param)} came out "
+                                         f"non-finite ({param.dtype} overflow) when tried on a copy; no weight "
+                                         "or optimizer state was changed")
+            return
         self.kept = [(p, p.detach().clone(), _copy_state(optimizer.state.get(p))) for p in stepped]
 
     @torch.no_grad()
@@ -56,7 +72,7 @@ class FiniteOptimizerSteps:
         kept, self.kept = self.kept, None
         if not kept:
             return
-        bad = next((p for p, _, _ in kept if not bool(torch.isfinite(p).all())), None)
+        bad = next((p for p, _, _ in kept if not _finite(p, optimizer.state.get(p, {}))), None)
         if bad is None:
             return
         self._put_back(optimizer, kept)
@@ -79,6 +95,11 @@ class FiniteOptimizerSteps:
                 optimizer.state.pop(param, None)
             else:
                 optimizer.state[param] = state
+
+
+def _finite(value: torch.Tensor, state: dict[str, Any]) -> bool:
+    tensors = [value, *(item for item in state.values() if isinstance(item, torch.Tensor))]
+    return all(bool(torch.isfinite(tensor).all()) for tensor in tensors if tensor.is_floating_point())
 
 
 def _copy_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
