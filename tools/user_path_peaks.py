@@ -5,8 +5,9 @@ side by side in one run: `edgetrain train --method mesp`, `edgetrain eval`, `edg
 Each figure is a fresh process (edgetrain.profiler.command_peak) over the same text (Python's own
 documentation, pydoc_data.topics), measured above two floors taken in the same rounds:
   import floor    the interpreter with torch and edgetrain imported, nothing run
-  runtime floor   that plus torch._dynamo, which the first torch optimizer imports (about 70 MiB; what
-                  `edgetrain profile` counts as torch's runtime)
+  runtime floor   that plus torch._dynamo (about 70 MiB), which torch.optim and torch.utils.checkpoint import
+                  on first use and edgetrain's own optimizers do not (what `edgetrain profile` counts as
+                  torch's runtime)
 
   .venv/bin/python tools/user_path_peaks.py                    # SmolLM2-135M's GGUF, one round
   .venv/bin/python tools/user_path_peaks.py --repeats 3        # median and spread of three
