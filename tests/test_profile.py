@@ -235,3 +235,20 @@ def test_warmup_steps_run_untimed_before_the_timed_ones(warmup, monkeypatch):
     record = profile_method(ProfileConfig(model="tiny", method="mesp", seq=16, steps=2, warmup=warmup,
                                           fidelity=False))
     assert len(seen) == warmup + 2 + 1 and record["step_seconds"] > 0
+
+
+def test_a_profile_whose_load_changed_prints_no_time_ratio():
+    """Beside a process that took a core for one method and not the other, the s/step ratio compares unlike
+    conditions: the table says so instead of printing it (the load is read by each profile worker)."""
+    from edgetrain.profiler.report import format_table
+
+    def record(method: str, seconds: float, others: float | None) -> dict:
+        return {"method": method, "model": "tiny", "seq": 8, "batch": 2, "backend": "torch-cpu", "torch_threads": 2,
+                "peak_bytes_probe": 2**20, "peak_bytes_tensors": 2**20, "step_seconds": seconds, "loss": 1.0,
+                "grad_cosine": None, "grad_max_rel_err": None, "others_busy_cores": others}
+
+    steady = format_table([record("mebp", 0.2, 0.1), record("mesp", 0.1, 0.3)])
+    assert "0.50x" in steady and "load changed" not in steady and "2 threads" in steady
+    changed = format_table([record("mebp", 0.2, 0.0), record("mesp", 0.1, 1.0)])
+    assert "0.50x" not in changed
+    assert "time ratios not printed: the load changed under this run (other processes kept 0.0 to 1.0 cores" in changed

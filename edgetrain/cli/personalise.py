@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.backends.load_options import LoadOptions, add_load_flags
+from edgetrain.training.threads import threads_flag
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     run.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 decoders, 1e-2 classifiers)")
     run.add_argument("--batch", type=int, default=4)
     run.add_argument("--seq", type=int, default=64, help="sequence length (decoders)")
+    run.add_argument("--threads", default="auto", type=threads_flag, metavar="N|auto",
+                     help="intra-op threads: auto (default) fits them to the cores other processes leave free, "
+                          "checked between steps; a number fixes them")
     run.add_argument("--rank", type=int, default=8, help="LoRA rank (fixed when the store is created)")
     run.add_argument("--margin", type=float, default=0.0,
                      help="how much better a candidate must be: a fraction of perplexity, or accuracy points")
@@ -252,7 +256,8 @@ def _run(args: argparse.Namespace) -> int:
                       lr=args.lr, batch_size=args.batch, seq_len=args.seq, window_steps=args.window_steps,
                       checkpoint_every=args.checkpoint_every, keep_versions=args.keep, margin=args.margin,
                       holdout_every=args.holdout_every, policy=policy, chat_template=template,
-                      on_event=_event_logger(), load=LoadOptions.asked_for(args)) as personaliser:
+                      on_event=_event_logger(), load=LoadOptions.asked_for(args),
+                      threads=args.threads) as personaliser:
         result = personaliser.run(max_steps=args.max_steps, max_seconds=args.max_seconds, wait=args.wait)
         served = personaliser.served_version()
     print(json.dumps({"steps": result.steps, "windows": result.windows, "promoted": result.promoted,

@@ -12,6 +12,7 @@ import os
 from typing import Callable
 
 from edgetrain.backends.load_options import LoadOptions, add_load_flags
+from edgetrain.training.threads import threads_flag
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -38,6 +39,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
                         help="clip each update to a global L2 norm of X (bp, mebp, mesp)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", default=None, type=threads_flag, metavar="N|auto",
+                        help="intra-op threads: a number, or auto for the cores other processes leave free, "
+                             "checked between steps (default: torch's own; a fixed count resumes bit for bit)")
     parser.add_argument("--method-option", action="append", default=[], metavar="KEY=JSON",
                         help="an option of the method, e.g. epsilon=0.001 (repeatable)")
     parser.add_argument("--checkpoint-dir", default=None)
@@ -137,7 +141,8 @@ def main(args: argparse.Namespace) -> int:
                                 memory_budget=args.memory_budget, target=args.target,
                                 lr_schedule=args.lr_schedule,
                                 schedule_options=_method_options(args.schedule_option, "--schedule-option") or None,
-                                accumulate=args.accumulate, max_grad_norm=args.max_grad_norm)
+                                accumulate=args.accumulate, max_grad_norm=args.max_grad_norm,
+                                threads=args.threads)
     if args.checkpoint_dir:
         resumed = learner.resume(args.checkpoint_dir)
         if resumed is not None:

@@ -43,6 +43,7 @@ from edgetrain.personalise.store import EVENTS, Store
 from edgetrain.personalise.versions import Version, Versions, check_keep
 from edgetrain.personalise.window import discard_window_files
 from edgetrain.probes.glibc import fix_malloc_mmap_threshold
+from edgetrain.training.threads import thread_fitter
 from edgetrain.registry import EdgetrainError
 
 __all__ = ["Personaliser", "RunResult"]
@@ -73,6 +74,9 @@ class Personaliser:
         default, dequantised with LoadOptions(dequantize=True), dense ones quantised with quantize_bits.
         Recorded when the store is created, so that every window and served model uses the same base;
         another one later is refused.
+    threads: the learner's intra-op threads. "auto" (default) fits them, between steps, to the cores other
+        processes leave free (edgetrain.training.threads): beside a busy app a step on a taken core stalls
+        every torch worker. A number fixes them; None leaves torch's setting alone.
     """
 
     def __init__(self, store: str | Path, model: str | Path | None = None, *, method: str | None = None,
@@ -83,7 +87,7 @@ class Personaliser:
                  policy: Policy | None = None, sensors: Any = None, on_event: EventCallback | None = None,
                  serve_stale: bool | None = None, chat_template: str | None = None,
                  memory_budget: int | str | None = None, seed: int = 0, poll_seconds: float = 0.25,
-                 load: LoadOptions | None = None) -> None:
+                 load: LoadOptions | None = None, threads: int | str | None = "auto") -> None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("window_steps", window_steps),
                             ("checkpoint_every", checkpoint_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -96,6 +100,8 @@ class Personaliser:
         self.versions = Versions(self.store)
         self.backend_name = backend
         self.optimizer, self.lr = optimizer, lr
+        # One fitter for every window's learner: beside a busy app a window starts on the cores it had left.
+        self.threads = thread_fitter(threads)
         self.batch_size, self.seq_len = batch_size, seq_len
         self.window_steps, self.checkpoint_every = window_steps, checkpoint_every
         self.keep_versions = check_keep(keep_versions)

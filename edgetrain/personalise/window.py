@@ -65,6 +65,7 @@ class WindowOwner(Protocol):
     keep_versions: int
     margin: float
     memory_budget: Any
+    threads: Any  # None, a fixed count or a ThreadFitter shared by every window's learner
 
     @property
     def bound(self) -> dict[str, Any] | None: ...
@@ -121,7 +122,7 @@ class Windows:
         # policy otherwise uses edgetrain's estimate of the step (decoders).
         return Learner(model, method=state["method"], backend=owner.backend_name, optimizer=owner.optimizer, lr=lr,
                        seed=state["seed"], memory_budget=owner.memory_budget,
-                       probe=None if owner.memory_budget is not None else False)
+                       probe=None if owner.memory_budget is not None else False, threads=owner.threads)
 
     def load_start(self, start: int | None) -> None:
         owner = self.owner

@@ -40,6 +40,22 @@ def _gradient_reference_line(records: list[dict[str, Any]]) -> str:
             "batch and weights (every method's own error, the first method's included)")
 
 
+# Cores' worth of CPU other processes may use differently while two methods are timed before their time
+# ratio stops meaning anything: beside a busy core a step can take many times longer (docs/benchmarks.md).
+LOAD_CHANGE_CORES = 0.5
+
+
+def load_changed_under(records: list[dict[str, Any]]) -> str:
+    """A line saying the load changed under the run (and why no time ratio is printed), or "" when it did not
+    or was not read."""
+    loads = [r["others_busy_cores"] for r in records if r.get("others_busy_cores") is not None]
+    if len(loads) < 2 or max(loads) - min(loads) < LOAD_CHANGE_CORES:
+        return ""
+    return (f"time ratios not printed: the load changed under this run (other processes kept "
+            f"{min(loads):.1f} to {max(loads):.1f} cores busy while methods were timed); run it again on a "
+            "steadier machine")
+
+
 def format_table(records: list[dict[str, Any]]) -> str:
     """Methods as rows; memory and time also as ratios to the first method listed."""
     if not records:
@@ -50,13 +66,17 @@ def format_table(records: list[dict[str, Any]]) -> str:
             f"{first.get('trainable_params', 0):,} trainable), seq {first['seq']}, batch {first['batch']}, "
             f"{first.get('dtype', '')}, {first['backend']}, "
             + (f"base {first['base']}, " if first.get("base") else "")
-            + (f"BLAS: {first['blas']}\n" if first.get("blas") else f"{first.get('torch_threads', '?')} threads\n")
+            + (f"BLAS: {first['blas']}, " if first.get("blas") else "")
+            + f"{first.get('torch_threads', '?')} threads\n"
             + f"peak = training memory above the pre-step baseline (weights excluded); footprint = what the "
             f"process holds above the framework's runtime (weights included) plus that peak; estimate = "
             f"edgetrain's analytic step memory (edgetrain/training/step_estimates.py), probe/est its ratio to the peak\n"
             f"probe: {first.get('probe', '-')} (OS/allocator), tensors: live tensor storages; "
             f"ratios are to {first['method']}"
             + _gradient_reference_line(records))
+    load_changed = load_changed_under(records)
+    if load_changed:
+        head += "\n" + load_changed
     columns = ["method", "probe MiB", "ratio", "tensors MiB", "ratio", "footprint MiB", "ratio", "estimate MiB",
                "probe/est", "s/step", "ratio", "loss", "grad cos vs ref", "max rel err vs ref", "peak in"]
     rows = [columns]
@@ -67,7 +87,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
             _mib(record["peak_bytes_tensors"]), _ratio(record["peak_bytes_tensors"], first["peak_bytes_tensors"]),
             _mib(record.get("footprint_bytes")), _ratio(record.get("footprint_bytes"), first.get("footprint_bytes")),
             _mib(record.get("estimate_bytes")), _ratio(record["peak_bytes_probe"], record.get("estimate_bytes")),
-            _num(record["step_seconds"], ".3f"), _ratio(record["step_seconds"], first["step_seconds"]),
+            _num(record["step_seconds"], ".3f"),
+            "-" if load_changed else _ratio(record["step_seconds"], first["step_seconds"]),
             _num(record["loss"], ".4f"), _num(record["grad_cosine"], ".4f"),
             _num(record["grad_max_rel_err"], ".1e"), str(record.get("peak_region") or "-"),
         ])

@@ -125,11 +125,13 @@ def profile_torch_method(config) -> dict[str, Any]:
     if record["loss"] is None:
         record["loss"] = first.loss
     seconds, peaks = [], []
+    load_before = _cpu_reading()
     for index in range(config.steps):
         _progress(f"[{config.method}] step {index + 1}/{config.steps}")
         stats = learner.step(batch)
         seconds.append(stats.seconds)
         peaks.append(stats.peak_bytes)
+    record["others_busy_cores"] = _others_busy(load_before)
     record["probe"] = stats.probe
     record["step_seconds"] = statistics.median(seconds)
     record["peak_bytes_probe"] = None if any(p is None for p in peaks) else max(peaks)
@@ -155,6 +157,23 @@ def profile_torch_method(config) -> dict[str, Any]:
                                   for t in list(model.parameters()) + list(model.buffers()))
     record["torch_threads"] = torch.get_num_threads()
     return record
+
+
+def _cpu_reading():
+    from edgetrain.training.threads import read_cpu
+
+    try:
+        return read_cpu()
+    except Exception:  # noqa: BLE001 -- psutil missing or refused here: the load is then not reported
+        return None
+
+
+def _others_busy(before) -> float | None:
+    """Cores' worth of CPU other processes used while the steps were timed (None where it cannot be read)."""
+    from edgetrain.training.threads import others_busy_cores
+
+    after = _cpu_reading()
+    return None if before is None or after is None else round(others_busy_cores(before, after), 2)
 
 
 def _runtime_baseline_bytes(probe_name: str) -> int | None:

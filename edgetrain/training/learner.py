@@ -47,6 +47,7 @@ from edgetrain.training.fit_loop import fit_stream, format_progress, stats_dict 
 from edgetrain.training.gradient_steps import check_accumulation, check_gradient_step_method, micro_batches
 from edgetrain.training.schedules import LRSchedule, check_learning_rate, check_same_schedule
 from edgetrain.training.stats import StepStats
+from edgetrain.training.threads import thread_fitter
 from edgetrain.utils.logs import get_logger
 from edgetrain.utils.memory_sizes import parse_bytes
 
@@ -78,7 +79,10 @@ class Learner:
     that framework). `accumulate=N` cuts each step's batch into N micro-batches and sums their gradients
     into one update (the whole batch's gradient, one micro-batch's activations); `max_grad_norm` clips
     that update's global L2 norm. Both need a method whose step is its gradient and one optimizer update
-    (bp, mebp, mesp)."""
+    (bp, mebp, mesp). `threads` sets torch's intra-op threads before every step: a number, or "auto" for
+    the cores other processes left free, checked between steps (edgetrain.training.threads: beside a busy
+    app, threads on a taken core stall the step); None leaves them as they are. A run that must resume to
+    the same bits keeps a fixed count."""
 
     def __init__(self, model: Any, method: str = "bp", backend: str = "torch-cpu",
                  optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
@@ -87,8 +91,10 @@ class Learner:
                  probe: Any = None, seed: int | None = 0, memory_budget: int | str | None = None,
                  fallback_methods: Iterable[str] = (), target: str | None = None,
                  lr_schedule: str | None = None, schedule_options: dict[str, Any] | None = None,
-                 accumulate: int = 1, max_grad_norm: float | None = None) -> None:
+                 accumulate: int = 1, max_grad_norm: float | None = None,
+                 threads: int | str | None = None) -> None:
         self.backend = get_backend(backend)
+        self.threads = thread_fitter(threads)
         framework = model_framework(model)
         if framework != self.backend.framework:
             raise EdgetrainError(f"backend {backend!r} runs {self.backend.framework} models; this "
@@ -186,6 +192,7 @@ class Learner:
         # (and a checkpoint written after the failure) is the state of the last good step.
         side_state = None if getattr(self.method, "advances_on_failure", False) else self.side_state()
         self.engine.begin_step(self.seed, self.steps_done)
+        threads = self._fit_threads()
         lr = self._apply_lr_schedule()
         window = self.engine.step_window(probe) if probe is not None else None
         try:
@@ -214,7 +221,20 @@ class Learner:
         self.stream_position = batch.index + 1
         return StepStats(step=self.steps_done, loss=loss_value, samples=batch.num_samples,
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
-                         probe=probe.name if probe is not None else "none", lr=lr)
+                         probe=probe.name if probe is not None else "none", lr=lr, threads=threads)
+
+    def _fit_threads(self) -> int | None:
+        """The intra-op threads for this step (threads=): fixed, or fitted to the cores others left free
+        (edgetrain.training.threads). None where the learner leaves them to the framework."""
+        if self.threads is None:
+            return None
+        count = self.threads if isinstance(self.threads, int) else self.threads.choose()
+        if not self.engine.set_threads(count):
+            log.warning("threads=%r: the %s backend sizes its own thread pool; left as it is",
+                        self.threads if isinstance(self.threads, int) else "auto", self.backend.name)
+            self.threads = None
+            return None
+        return count
 
     def _update(self, batch: Batch, prepared: Any) -> Any:
         """The step's work: the method's own step, or (accumulate / max_grad_norm) its gradients over the

@@ -27,6 +27,7 @@ class StepStats:
     peak_bytes: int | None  # the memory the step added (see above); None if no probe
     probe: str
     lr: float | None = None  # the learning rate this step used (the schedule's rate at this step)
+    threads: int | None = None  # the intra-op threads it ran on, where the learner set them (threads=)
 
     @property
     def tokens_per_second(self) -> float:

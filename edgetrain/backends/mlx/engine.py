@@ -138,6 +138,9 @@ class MLXEngine:
         if seed is not None:
             mx.random.seed((seed * 1_000_003 + steps_done) % 2**32)
 
+    def set_threads(self, count: int) -> bool:
+        return False  # MLX sizes its own CPU pool (and runs on the GPU on Apple silicon)
+
     def run_step(self, method: Any, prepared: tuple[mx.array, mx.array], optimizer: FlatOptimizer) -> mx.array:
         loss = method.step(*prepared, optimizer)
         mx.eval(loss)

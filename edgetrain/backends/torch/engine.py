@@ -89,6 +89,11 @@ class TorchEngine:
     def begin_step(self, seed: int | None, steps_done: int) -> None:
         pass  # torch's generator state is saved with the side state and the checkpoints
 
+    def set_threads(self, count: int) -> bool:
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+        return True
+
     def run_step(self, method: Any, prepared: Batch, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         return method.step(prepared, optimizer)
 
