@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Training beside a busy app: a `mesp` LoRA step on the quiet machine, and beside another process that
 keeps one core busy, with the thread count fixed at every core (torch's default) and with
-`threads="auto"` (edgetrain.training.threads); and the personaliser's run beside the same load against a
-bare loop of the same steps. Interleaved rounds (edgetrain.profiler.bench), ratios from one run.
+`threads="auto"` (edgetrain.training.threads); the quiet step on one core fewer (what the busy core leaves:
+the floor); and the personaliser's run beside the same load against a bare loop of the same steps. Interleaved rounds (edgetrain.profiler.bench), ratios from one run.
 
   .venv/bin/python tools/bench_busy_core.py                  # the tiny preset, 12 steps an arm, 3 rounds
   .venv/bin/python tools/bench_busy_core.py --model smollm2-135m --steps 4
 
-The busy core is `python -c "while True: pass"`, not pinned: the OS places it, as it places an app.
+The busy core is `python -c "while True: pass"`, not pinned: the OS places it, as it places an app. The
+learner loops run without a memory probe, as the personaliser's learners do.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def batches(model, seq: int, batch: int) -> Iterator[Batch]:
 def learner_arm(args: argparse.Namespace, threads, busy: bool):
     model = edgetrain.load_model(args.model)
     edgetrain.add_lora(model, rank=8, alpha=16.0)
-    learner = edgetrain.Learner(model, method="mesp", optimizer="adamw", lr=1e-3, threads=threads)
+    # No memory probe, as the personaliser's learners have none: its per-step heap work is not what is timed.
+    learner = edgetrain.Learner(model, method="mesp", optimizer="adamw", lr=1e-3, threads=threads, probe=False)
     stream = batches(model, args.seq, args.batch)
 
     def run() -> dict:
@@ -96,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         personalised, personaliser = personaliser_arm(args, Path(scratch))
         arms = [Arm(f"quiet, {cores} threads", learner_arm(args, cores, busy=False)),
+                # the floor beside a busy core: the step on one core fewer, with the machine to itself
+                Arm(f"quiet, {cores - 1} thread(s)", learner_arm(args, cores - 1, busy=False)),
                 Arm(f"busy core, {cores} threads", learner_arm(args, cores, busy=True)),
                 Arm("busy core, threads=auto", learner_arm(args, "auto", busy=True)),
                 Arm("busy core, personaliser (auto)", personalised)]
@@ -103,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         personaliser.close()
     summaries = {name: summarise(taken) for name, taken in samples.items()}
     quiet = summaries[arms[0].name]["seconds_per_step"].median
-    auto = summaries[arms[2].name]["seconds_per_step"].median
+    auto = summaries[arms[3].name]["seconds_per_step"].median
     print(f"\n{args.model}, mesp, seq {args.seq} x batch {args.batch}, {cores} usable cores, {args.steps} steps an "
           f"arm, median of {args.repeats} rounds (spread = (high - low) / median)")
     print(f"{'arm':<34}{'s/step':>9}{'threads':>9}{'/ quiet':>9}{'/ auto':>8}{'spread':>8}")
