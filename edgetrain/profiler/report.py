@@ -71,6 +71,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
             + f"peak = training memory above the pre-step baseline (weights excluded); footprint = what the "
             f"process holds above the framework's runtime (weights included) plus that peak; estimate = "
             f"edgetrain's analytic step memory (edgetrain/training/step_estimates.py), probe/est its ratio to the peak\n"
+            f"s/floor = the step time over its compute floor: its matrix products timed alone at this machine's "
+            f"rate (edgetrain/profiler/compute_floor.py)\n"
             f"probe: {first.get('probe', '-')} (OS/allocator), tensors: live tensor storages; "
             f"ratios are to {first['method']}"
             + _gradient_reference_line(records))
@@ -78,7 +80,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
     if load_changed:
         head += "\n" + load_changed
     columns = ["method", "probe MiB", "ratio", "tensors MiB", "ratio", "footprint MiB", "ratio", "estimate MiB",
-               "probe/est", "s/step", "ratio", "loss", "grad cos vs ref", "max rel err vs ref", "peak in"]
+               "probe/est", "s/step", "ratio", "s/floor", "loss", "grad cos vs ref", "max rel err vs ref", "peak in"]
     rows = [columns]
     for record in records:
         rows.append([
@@ -89,6 +91,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
             _mib(record.get("estimate_bytes")), _ratio(record["peak_bytes_probe"], record.get("estimate_bytes")),
             _num(record["step_seconds"], ".3f"),
             "-" if load_changed else _ratio(record["step_seconds"], first["step_seconds"]),
+            _num(record.get("floor_ratio"), ".2f"),
             _num(record["loss"], ".4f"), _num(record["grad_cosine"], ".4f"),
             _num(record["grad_max_rel_err"], ".1e"), str(record.get("peak_region") or "-"),
         ])
