@@ -22,15 +22,15 @@ thread, so their rounding can differ between thread counts. A run that must resu
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from edgetrain.registry import EdgetrainError
+from edgetrain.utils.logs import get_logger
 
-log = logging.getLogger("edgetrain.threads")
+log = get_logger(__name__)
 
 BUSY_FRACTION = 0.5  # a core others used more than half of since the last check is theirs
 GROW_AFTER = 2       # checks in a row that must ask for more threads before the count grows

@@ -24,13 +24,6 @@ def _undecorated(function: Callable) -> Callable:
     return getattr(function, "__wrapped__", function)
 
 
-class _WithoutDynamo:
-    add_param_group = _undecorated(_Optimizer.add_param_group)
-    state_dict = _undecorated(_Optimizer.state_dict)
-    load_state_dict = _undecorated(_Optimizer.load_state_dict)
-    zero_grad = _undecorated(_Optimizer.zero_grad)
-
-
 def _plain_group(group: dict[str, Any]) -> bool:
     """True when torch's own step would take its single-tensor kernel with float hyper-parameters."""
     if group.get("foreach") or group.get("fused") or group.get("capturable") or group.get("differentiable"):
@@ -41,9 +34,15 @@ def _plain_group(group: dict[str, Any]) -> bool:
     return all(p.grad is None or not (p.grad.is_sparse or torch.is_complex(p)) for p in group["params"])
 
 
-class EagerStep(_WithoutDynamo):
-    """The step, one parameter at a time through the class's `_update(param, grad, state, group)`, which
-    writes the new values into `param` and `state` in place."""
+class EagerStep:
+    """torch.optim.Optimizer's bookkeeping without its torch._dynamo wrappers, and the step, one parameter at
+    a time through the class's `_update(param, grad, state, group)`, which writes the new values into `param`
+    and `state` in place."""
+
+    add_param_group = _undecorated(_Optimizer.add_param_group)
+    state_dict = _undecorated(_Optimizer.state_dict)
+    load_state_dict = _undecorated(_Optimizer.load_state_dict)
+    zero_grad = _undecorated(_Optimizer.zero_grad)
 
     def plain(self) -> bool:
         """True when step() runs edgetrain's arithmetic (not torch's foreach/fused/... kernels)."""
