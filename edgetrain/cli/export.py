@@ -6,6 +6,9 @@ features) and applies SGD. With --check N the export is trained for N steps in t
 and compared with the same steps of a torch Learner (loss and weights). --batch-file writes N batches
 of the stream to the binary file the native runner (targets/executorch) reads.
 
+With --method mesp (decoders with LoRA) it writes instead MeSP's step as an ExecuTorch program of five
+methods and a weights file beside it, the frozen base packed as loaded (edgetrain/cli/export_mesp.py).
+
 With --merge it writes instead the model with its adapter merged into the weights, for runtimes that
 do not train: a Hugging Face checkpoint directory, or (--out ending in .gguf, for a GGUF base model) a
 GGUF file in F32 or F16 that llama.cpp loads (edgetrain/export/merged.py).
@@ -28,6 +31,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="what learns: LoRA adapters (decoders, the default for them) or the head "
                              "(classifiers, the default for them)")
     parser.add_argument("--runtime", choices=("executorch", "onnxruntime"), default="executorch")
+    parser.add_argument("--method", choices=("bp", "mesp"), default="bp",
+                        help="bp: one joint forward-backward program, SGD (default); mesp: MeSP's step as five "
+                             "methods (embedding, block forward, block backward, head, AdamW) over a weights "
+                             "file beside the .pte, the frozen base kept packed as loaded (decoders with LoRA)")
+    parser.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None, metavar="N",
+                        help="with --method mesp: quantise the base's dense matrices to N bits on load")
     parser.add_argument("--out", required=True, help="the .pte file (executorch) or a directory (onnxruntime)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--adapter", default=None,
@@ -43,8 +52,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--data", default=None, help="stream for --check/--batch-file: text (decoders) or "
                                                      "digits (classifiers) by default")
     parser.add_argument("--check", type=int, default=0, metavar="N",
-                        help="train N SGD steps in the runtime and in torch and compare")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate of --check")
+                        help="train N steps in the runtime and in torch and compare (SGD; AdamW for mesp)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate of --check (default 0.05 for SGD, 1e-3 for mesp's AdamW)")
     parser.add_argument("--batch-file", default=None, metavar="PATH",
                         help="also write --batch-steps batches of the stream here (native runner input)")
     parser.add_argument("--batch-steps", type=int, default=20)
@@ -73,6 +83,14 @@ def main(args: argparse.Namespace) -> int:
         from edgetrain.cli.export_merged import write_merged
 
         return write_merged(args)
+    if args.method == "mesp":
+        from edgetrain.cli.export_mesp import write_mesp_program
+
+        args.lr = 1e-3 if args.lr is None else args.lr
+        return write_mesp_program(args)
+    args.lr = 0.05 if args.lr is None else args.lr
+    if args.quantize_bits is not None:
+        raise edgetrain.EdgetrainError("--quantize-bits is for --method mesp (the joint program holds fp32 weights)")
     torch.manual_seed(args.seed)
     model = edgetrain.load_model(args.model)
     part = args.trainable or default_part(model)

@@ -129,6 +129,48 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
     return data
 
 
+def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple]) -> bytes:
+    """One ExecuTorch program whose methods are the forward graphs of `modules` (name -> module), each traced
+    for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step). Inference graphs:
+    no joint forward-backward, so nothing here is experimental beyond the program format."""
+    _require_executorch()
+    from executorch.exir import to_edge
+    from torch._export.verifier import SpecViolationError
+
+    exported = {}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for name, module in modules.items():
+            try:
+                exported[name] = torch.export.export(module, example_inputs[name], strict=False).run_decompositions()
+                _replace_empty_permuted(exported[name].graph_module)
+            except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
+                raise ExportError(f"torch.export could not trace the {name} program: {type(exc).__name__}: "
+                                  f"{exc}") from exc
+        try:
+            program = to_edge(exported).to_executorch()
+        except SpecViolationError as exc:
+            raise ExportError(f"ExecuTorch cannot lower this program: {_first_line_naming_operator(str(exc))}") from exc
+    _check_runtime_has_kernels(program)
+    return program.buffer
+
+
+def load_program(data: bytes, where: str | Path, methods: tuple[str, ...]) -> object:
+    """ExecuTorch's runtime module over a program's bytes (which the caller keeps alive), checked to have
+    `methods`."""
+    _require_executorch()
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    try:
+        module = _load_for_executorch_from_buffer(data)
+    except (RuntimeError, ValueError) as exc:
+        raise ExportError(f"{where}: ExecuTorch cannot load the program (damaged, or not a .pte): {exc}") from exc
+    missing = sorted(set(methods) - set(module.method_names()))
+    if missing:
+        raise ExportError(f"{where}: the program has no method(s) {', '.join(missing)}: it is not a MeSP program")
+    return module
+
+
 def _first_line_naming_operator(message: str) -> str:
     match = re.search(r"Operator torch\._ops\.(\S+) is not in Core ATen opset", message)
     if match:

@@ -1,0 +1,68 @@
+"""`edgetrain export --method mesp`: a decoder's MeSP training program (edgetrain/export/mesp_program.py).
+
+    edgetrain export --method mesp --model SmolLM2-135M-Instruct.Q4_1.gguf --seq 128 --batch 2 --out smollm2.pte
+    # writes smollm2.pte (five methods) and smollm2.weights (the base as loaded: a GGUF's 4- and 8-bit blocks
+    # stay packed), then --check N trains N AdamW steps in ExecuTorch and in torch's mesp and compares them.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import sys
+
+
+def write_mesp_program(args: argparse.Namespace) -> int:
+    import torch
+
+    import edgetrain
+    from edgetrain.export import make_trainable, write_batch_file
+    from edgetrain.export.mesp_program import (AdamWSettings, MeSPProgramTrainer, export_mesp_program,
+                                               mesp_reference)
+    from edgetrain.export.trainable import ExportError
+    from edgetrain.training.schedules import check_learning_rate
+
+    if args.runtime != "executorch":
+        raise ExportError(f"--method mesp writes ExecuTorch programs; --runtime {args.runtime} is not supported")
+    if args.trainable not in (None, "lora"):
+        raise ExportError("--method mesp trains LoRA adapters (--trainable lora)")
+    optimizer = AdamWSettings(lr=check_learning_rate(args.lr))
+    torch.manual_seed(args.seed)
+    model = edgetrain.load_model(args.model, quantize_bits=args.quantize_bits)
+    if getattr(model, "task", None) != "lm":
+        raise ExportError(f"--method mesp is for decoders; {args.model} is a {getattr(model, 'task', '?')!r} model")
+    if args.adapter:
+        from edgetrain.adapters.convert import load_adapter
+
+        load_adapter(model, args.adapter)
+    make_trainable(model, "lora", rank=args.rank)
+    reference = copy.deepcopy(model) if args.check else None
+    program, weights = export_mesp_program(model, args.batch, args.seq, args.out)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"wrote {program} and {weights} (mesp, {len(model.blocks)} blocks of {args.model}: {trainable:,} LoRA "
+          f"weights; batches of {args.batch} x {args.seq} tokens)")
+    if not (args.batch_file or args.check):
+        return 0
+    from edgetrain.cli.export import _stream
+
+    steps = max(args.check, args.batch_steps if args.batch_file else 0)
+    batches = list(itertools.islice(_stream(model, args), steps))
+    if args.batch_file:
+        write_batch_file(args.batch_file, batches[:args.batch_steps])
+        print(f"wrote {args.batch_file} ({args.batch_steps} batches)")
+    if args.check:
+        trainer = MeSPProgramTrainer(program, weights, optimizer)
+        losses = [trainer.step(batch) for batch in batches[:args.check]]
+        ref_losses, ref_adapters = mesp_reference(reference, batches[:args.check], optimizer)
+        adapters = trainer.adapters()
+        loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        adapter_error = max(float((adapters[name] - ref).abs().max()) for name, ref in ref_adapters.items())
+        for step, (loss, ref) in enumerate(zip(losses, ref_losses), 1):
+            print(f"step {step:3d}  loss {loss:.6f} (ExecuTorch)  {ref:.6f} (torch mesp)")
+        print(json.dumps({"runtime": "executorch", "method": "mesp", "steps": args.check,
+                          "max_loss_error": loss_error, "max_adapter_error": adapter_error}))
+        if max(loss_error, adapter_error) > 1e-5:
+            print("edgetrain export: the ExecuTorch run differs from torch's mesp by more than 1e-5", file=sys.stderr)
+            return 1
+    return 0

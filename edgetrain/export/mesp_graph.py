@@ -1,0 +1,253 @@
+"""The pieces of a MeSP step as traceable modules: what `edgetrain export --method mesp` lowers to ExecuTorch.
+
+Each piece is an ordinary forward graph over plain tensor inputs. The frozen weights and the adapters are
+inputs too, not constants, so one block program serves every block and the program does not grow with
+depth. The arithmetic is edgetrain/methods/mesp's own (block_forward, block_backward, chunked_lm_loss),
+called on tensors the piece unpacks from its inputs; a packed matrix is dequantised inside the graph a tile
+of rows at a time (`GraphPackedMatrix`, the same integers and scales as edgetrain.models.quantized), so a
+step never holds a block's dense weights.
+
+    embed(token_ids, *embedding)                          -> hidden [B, T, D]
+    block_forward(x, cos, sin, adapters, *frozen)         -> the block's output
+    block_backward(x, grad_out, cos, sin, adapters, *frozen) -> (dL/dx, dL/d(adapters))
+    head(hidden, targets, norm, *lm_head)                 -> (mean loss, dL/dhidden)
+    adamw(adapters, grad, exp_avg, exp_avg_sq, scalars)   -> (adapters, exp_avg, exp_avg_sq)
+
+`adapters` is a block's LoRA A and B matrices flattened into one vector, in PROJECTIONS order, A before B.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgetrain.methods.mesp.block import PROJECTIONS, BlockWeights, block_backward, block_forward
+from edgetrain.methods.mesp.loss import chunked_lm_loss
+from edgetrain.methods.mesp.ops import LinearWeights
+from edgetrain.models.quantized import TILE_ELEMENTS
+
+# adamw's scalars, in the order of its last input (computed by the driver in double, as torch.optim does,
+# then rounded to float32 as torch rounds a Python scalar for a float32 kernel).
+ADAMW_SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "bias_correction2_sqrt", "eps",
+                 "neg_step_size")
+
+
+@dataclass(frozen=True)
+class MatrixFormat:
+    """How one frozen matrix is held: dense float32 (bits None), or packed as edgetrain.models.quantized
+    holds it (codes, scales, and biases unless the format is symmetric with a zero point)."""
+
+    rows: int
+    cols: int
+    bits: int | None = None
+    group_size: int = 0
+    zero_point: int | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The names of its input tensors."""
+        if not self.packed:
+            return ("weight",)
+        return ("codes", "scales") if self.zero_point is not None else ("codes", "scales", "biases")
+
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "cols": self.cols, "bits": self.bits, "group_size": self.group_size,
+                "zero_point": self.zero_point}
+
+
+class GraphPackedMatrix:
+    """A packed matrix whose dequantisation is traced into the graph. It offers what mesp's code reads of
+    edgetrain.models.quantized's layers: rows/cols, scratch_tiles (LinearWeights), and out_features,
+    dequantize_rows, dequantize_gathered (chunked_lm_loss)."""
+
+    def __init__(self, matrix_format: MatrixFormat, codes: torch.Tensor, scales: torch.Tensor,
+                 biases: torch.Tensor | None) -> None:
+        self.format = matrix_format
+        self.rows = self.out_features = matrix_format.rows
+        self.cols = matrix_format.cols
+        self.codes, self.scales, self.biases = codes, scales, biases
+
+    def _dense(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
+        rows = codes.shape[0]
+        if self.format.bits == 4:
+            # Byte i holds columns 2i (low nibble) and 2i + 1 (high nibble). A right shift is not in the
+            # Core ATen opset ExecuTorch runs; floor division by 16 is the same on unsigned bytes.
+            low = torch.bitwise_and(codes, 15)
+            high = torch.div(codes, 16, rounding_mode="floor")
+            integers = torch.stack([low, high], dim=-1).reshape(rows, self.cols)
+        else:
+            integers = codes
+        grouped = integers.to(torch.float32).view(rows, -1, self.format.group_size)
+        if biases is None:
+            dense = (grouped - self.format.zero_point) * scales.to(torch.float32).unsqueeze(-1)
+        else:
+            dense = grouped * scales.to(torch.float32).unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
+        return dense.view(rows, self.cols)
+
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None, device: object = None,
+                        scratch: bool = False) -> torch.Tensor:
+        biases = None if self.biases is None else self.biases[start:stop]
+        return self._dense(self.codes[start:stop], self.scales[start:stop], biases)
+
+    def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        flat = indices.reshape(-1)
+        biases = None if self.biases is None else self.biases[flat]
+        return self._dense(self.codes[flat], self.scales[flat], biases).view(*indices.shape, self.cols)
+
+    def scratch_tiles(self, dtype: torch.dtype | None = None, device: object = None,
+                      rows_per_tile: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
+        # Tiles as the eager path cuts them: the memory planner then holds one dense tile at a time.
+        step = rows_per_tile or max(1, TILE_ELEMENTS // self.cols)
+        for start in range(0, self.rows, step):
+            stop = min(start + step, self.rows)
+            yield start, stop, self.dequantize_rows(start, stop)
+
+
+def matrix_from_inputs(matrix_format: MatrixFormat, tensors: Iterator[torch.Tensor]) -> torch.Tensor | GraphPackedMatrix:
+    """The dense weight, or a GraphPackedMatrix, from the next len(format.parts) inputs."""
+    if not matrix_format.packed:
+        return next(tensors)
+    codes, scales = next(tensors), next(tensors)
+    biases = next(tensors) if matrix_format.zero_point is None else None
+    return GraphPackedMatrix(matrix_format, codes, scales, biases)
+
+
+@dataclass(frozen=True)
+class ProjectionLayout:
+    """One of a block's seven projections, the same in every block."""
+
+    name: str
+    matrix: MatrixFormat
+    has_bias: bool
+    rank: int          # 0 without an adapter
+    scale: float
+
+    def adapter_numel(self) -> int:
+        return self.rank * (self.matrix.rows + self.matrix.cols)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What every block of the model computes with, which the block programs unpack from their inputs."""
+
+    projections: tuple[ProjectionLayout, ...]
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_chunk: int
+    mlp_chunk: int
+
+    def frozen_names(self) -> list[str]:
+        """Block-relative names of the frozen inputs, in order (after the two norms)."""
+        names = ["input_layernorm", "post_attention_layernorm"]
+        for projection in self.projections:
+            names += [f"{projection.name}.{part}" for part in projection.matrix.parts]
+            if projection.has_bias:
+                names.append(f"{projection.name}.bias")
+        return names
+
+    def adapter_numel(self) -> int:
+        return sum(projection.adapter_numel() for projection in self.projections)
+
+    def adapter_slices(self) -> list[tuple[str, str, int, tuple[int, int]]]:
+        """(projection, "lora_A" or "lora_B", offset, shape) of each adapter matrix in the flat vector."""
+        slices, offset = [], 0
+        for projection in self.projections:
+            if not projection.rank:
+                continue
+            for part, shape in (("lora_A", (projection.rank, projection.matrix.cols)),
+                                ("lora_B", (projection.matrix.rows, projection.rank))):
+                slices.append((projection.name, part, offset, shape))
+                offset += shape[0] * shape[1]
+        return slices
+
+    def weights(self, adapters: torch.Tensor, frozen: tuple[torch.Tensor, ...]) -> BlockWeights:
+        inputs = iter(frozen)
+        input_norm, post_attention_norm = next(inputs), next(inputs)
+        adapter_views: dict[tuple[str, str], torch.Tensor] = {
+            (name, part): adapters[offset:offset + shape[0] * shape[1]].view(shape)
+            for name, part, offset, shape in self.adapter_slices()}
+        linears = {}
+        for projection in self.projections:
+            matrix = matrix_from_inputs(projection.matrix, inputs)
+            bias = next(inputs) if projection.has_bias else None
+            dense, packed = (None, matrix) if isinstance(matrix, GraphPackedMatrix) else (matrix, None)
+            linears[projection.name] = LinearWeights(
+                dense, bias, adapter_views.get((projection.name, "lora_A")),
+                adapter_views.get((projection.name, "lora_B")), projection.scale, packed=packed)
+        return BlockWeights(input_norm, post_attention_norm, self.eps, linears, self.num_heads, self.num_kv_heads,
+                            self.head_dim)
+
+
+class EmbedPiece(nn.Module):
+    def __init__(self, table: MatrixFormat) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, token_ids: torch.Tensor, *table: torch.Tensor) -> torch.Tensor:
+        matrix = matrix_from_inputs(self.table, iter(table))
+        if isinstance(matrix, GraphPackedMatrix):
+            return matrix.dequantize_gathered(token_ids)
+        return F.embedding(token_ids, matrix)
+
+
+class BlockForwardPiece(nn.Module):
+    def __init__(self, layout: BlockLayout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adapters: torch.Tensor,
+                *frozen: torch.Tensor) -> torch.Tensor:
+        return block_forward(self.layout.weights(adapters, frozen), x, (cos, sin),
+                             attention_chunk=self.layout.attention_chunk, mlp_chunk=self.layout.mlp_chunk)
+
+
+class BlockBackwardPiece(nn.Module):
+    def __init__(self, layout: BlockLayout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, x: torch.Tensor, grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                adapters: torch.Tensor, *frozen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = self.layout.weights(adapters, frozen)
+        # A copy, so the program never writes its input (block_backward reuses the buffer for dL/dx).
+        grad_x, grads = block_backward(weights, x, grad_out.clone(), (cos, sin), overwrite_grad_out=True,
+                                       attention_chunk=self.layout.attention_chunk,
+                                       mlp_chunk=self.layout.mlp_chunk)
+        # block_backward names them by module path in PROJECTIONS order, A before B: the vector's order.
+        flat = [grads[name].reshape(-1) for name in weights.lora_parameter_names()]
+        return grad_x, torch.cat(flat) if flat else adapters.new_zeros(0)
+
+
+class HeadPiece(nn.Module):
+    def __init__(self, lm_head: MatrixFormat, eps: float, loss_chunk: int, vocab_chunk: int) -> None:
+        super().__init__()
+        self.lm_head, self.eps, self.loss_chunk, self.vocab_chunk = lm_head, eps, loss_chunk, vocab_chunk
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor, norm: torch.Tensor,
+                *lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        matrix = matrix_from_inputs(self.lm_head, iter(lm_head))
+        return chunked_lm_loss(hidden, norm, self.eps, matrix, targets, self.loss_chunk, self.vocab_chunk)
+
+
+class AdamWPiece(nn.Module):
+    """torch.optim.AdamW's single-tensor update (edgetrain/backends/torch/eager_optimizers.py), with the
+    step-dependent scalars as an input."""
+
+    def forward(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                scalars: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size = scalars.unbind()
+        param = param * decay
+        exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
+        exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
+        denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+        return param + neg_step_size * exp_avg / denom, exp_avg, exp_avg_sq
+

@@ -1,0 +1,216 @@
+"""MeSP as an ExecuTorch program (`edgetrain export --method mesp`): five methods over a weights file, driven
+step by step, train the same adapters as torch's `Learner(method="mesp", optimizer="adamw")`; the frozen base
+stays packed in the weights file; damaged or mismatched files, bad batches and non-finite steps are refused
+with nothing changed.
+
+The export is `tiny` (4 blocks, GQA, q/k/v bias, tied embeddings) with LoRA r4 at seq 16 x batch 2; lowering
+takes about 15 s on a small CPU, so each program is exported once per module.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+
+import edgetrain
+from edgetrain.data.batch import Batch
+
+pytest.importorskip("executorch.exir", reason="ExecuTorch not installed: pip install 'edgetrain[export]'")
+
+from edgetrain.export import ExportError, make_trainable  # noqa: E402
+from edgetrain.export.mesp_program import (AdamWSettings, MeSPProgramTrainer, export_mesp_program,  # noqa: E402
+                                           mesp_reference, weights_path_for)
+from edgetrain.export.weights_file import WeightsFile, WeightsFileError  # noqa: E402
+from edgetrain.methods.base import NonFiniteError  # noqa: E402
+
+TOLERANCE = 1e-5
+STEPS = 5
+BATCH, SEQ = 2, 16
+# A large weight decay, so that its term (lr x decay x weight per step) is well above the tolerance.
+OPTIMIZER = AdamWSettings(lr=2e-3, weight_decay=0.5)
+
+
+def lora_tiny(quantize_bits: int | None = None, layers: int | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = edgetrain.load_model("tiny", quantize_bits=quantize_bits)
+    if layers is not None:
+        del model.blocks[layers:]
+    return make_trainable(model, "lora", rank=4)
+
+
+def text_batches(count: int) -> list[Batch]:
+    from edgetrain.data import make_stream
+
+    return list(itertools.islice(make_stream("text", batch_size=BATCH, seq_len=SEQ, vocab_size=256), count))
+
+
+@pytest.fixture(scope="module")
+def dense_program(tmp_path_factory):
+    model = lora_tiny()
+    reference = copy.deepcopy(model)
+    program, weights = export_mesp_program(model, BATCH, SEQ, tmp_path_factory.mktemp("dense") / "tiny.pte")
+    return program, weights, reference
+
+
+@pytest.fixture(scope="module")
+def packed_program(tmp_path_factory):
+    model = lora_tiny(quantize_bits=4)
+    reference = copy.deepcopy(model)
+    program, weights = export_mesp_program(model, BATCH, SEQ, tmp_path_factory.mktemp("packed") / "tiny4.pte")
+    return program, weights, reference
+
+
+def _parity(program, weights, reference, steps: int) -> tuple[float, float, dict, dict]:
+    batches = text_batches(steps)
+    trainer = MeSPProgramTrainer(program, weights, OPTIMIZER)
+    losses = [trainer.step(batch) for batch in batches]
+    ref_losses, ref_adapters = mesp_reference(copy.deepcopy(reference), batches, OPTIMIZER)
+    adapters = trainer.adapters()
+    assert set(adapters) == set(ref_adapters)
+    loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    adapter_error = max(float((adapters[name] - ref).abs().max()) for name, ref in ref_adapters.items())
+    return loss_error, adapter_error, adapters, dict(reference.named_parameters())
+
+
+def test_five_steps_equal_torch_mesp_with_adamw(dense_program):
+    loss_error, adapter_error, adapters, start = _parity(*dense_program, STEPS)
+    assert loss_error <= TOLERANCE
+    assert adapter_error <= TOLERANCE
+    # Both halves of every adapter trained (B from step 1, A once B is no longer zero).
+    for name, value in adapters.items():
+        assert float((value - start[name].detach()).abs().max()) > 1e-4, name
+
+
+def test_a_packed_base_trains_as_torch_mesp_on_the_same_packed_model(packed_program):
+    loss_error, adapter_error, _, _ = _parity(*packed_program, 3)
+    assert loss_error <= TOLERANCE
+    assert adapter_error <= TOLERANCE
+
+
+def test_the_weights_file_holds_the_base_packed(packed_program, dense_program):
+    packed = WeightsFile(packed_program[1])
+    assert packed.tensor("blocks.0.q.codes").dtype == torch.uint8
+    assert "blocks.0.q.weight" not in packed and "embed.codes" in packed
+    assert packed.manifest["tied_head"] is True and "head.codes" not in packed  # the table is read once
+    dense = WeightsFile(dense_program[1])
+    assert dense.tensor("blocks.0.q.weight").dtype == torch.float32
+    # The frozen blocks hold 4-bit codes and float16 scales and minimums: 1.5 of 32 bits per weight.
+    block_bytes = [sum(e.nbytes for n, e in f.entries.items() if n.startswith("blocks.0.") and "adapters" not in n)
+                   for f in (packed, dense)]
+    assert block_bytes[0] < 0.25 * block_bytes[1]
+
+
+def test_the_program_does_not_grow_with_depth(dense_program, tmp_path):
+    program, _ = export_mesp_program(lora_tiny(layers=1), BATCH, SEQ, tmp_path / "one-block.pte")
+    assert program.stat().st_size == dense_program[0].stat().st_size
+
+
+def _copy_pair(program, weights, directory):
+    shutil.copy(program, directory / "p.pte")
+    shutil.copy(weights, directory / "p.weights")
+    return directory / "p.pte", directory / "p.weights"
+
+
+def test_damaged_or_foreign_files_are_refused_by_name(dense_program, packed_program, tmp_path):
+    program, weights = _copy_pair(dense_program[0], dense_program[1], tmp_path)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(WeightsFileError, match="checksum"):
+        MeSPProgramTrainer(program)
+    weights.write_bytes(bytes(data[:1000]))
+    with pytest.raises(WeightsFileError, match="p.weights"):
+        MeSPProgramTrainer(program)
+    weights.unlink()
+    with pytest.raises(WeightsFileError, match="cannot open"):
+        MeSPProgramTrainer(program)
+    # A program from another export (the packed model's) beside these weights.
+    with pytest.raises(ExportError, match="not the program"):
+        MeSPProgramTrainer(packed_program[0], dense_program[1])
+    damaged = bytearray(dense_program[0].read_bytes())
+    damaged[100] ^= 0xFF
+    program.write_bytes(bytes(damaged))
+    with pytest.raises(ExportError, match="not the program"):
+        MeSPProgramTrainer(program, dense_program[1])
+
+
+def test_bad_batches_are_refused_and_change_nothing(dense_program):
+    trainer = MeSPProgramTrainer(dense_program[0], dense_program[1], OPTIMIZER)
+    before = trainer.adapters()
+    good = text_batches(1)[0]
+    outside = Batch(good.inputs.clone(), good.targets, 3)
+    outside.inputs[0, 0] = 256
+    with pytest.raises(ExportError, match=r"batch 3: token ids .* outside the vocabulary \[0, 256\)"):
+        trainer.step(outside)
+    with pytest.raises(ExportError, match="fixed at export"):
+        trainer.step(Batch(good.inputs[:, :8], good.targets[:, :8], 4))
+    bad_target = Batch(good.inputs, good.targets.clone(), 5)
+    bad_target.targets[1, 2] = -7
+    with pytest.raises(ExportError, match="target ids"):
+        trainer.step(bad_target)
+    assert trainer.steps_done == 0
+    after = trainer.adapters()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_non_finite_gradient_anywhere_changes_no_block(dense_program):
+    trainer = MeSPProgramTrainer(dense_program[0], dense_program[1], OPTIMIZER)
+    batches = text_batches(2)
+    trainer.step(batches[0])
+    adapters, moments = trainer.adapters(), [tuple(t.clone() for t in m) for m in trainer._moments]
+    run = trainer._run
+
+    def poisoned(method, inputs):
+        outputs = run(method, inputs)
+        if method == "block_backward" and inputs[0] is not None and len(outputs) == 2 and outputs[1].numel():
+            outputs[1] = outputs[1].clone()
+            outputs[1][0] = float("nan")
+        return outputs
+
+    trainer._run = poisoned
+    with pytest.raises(NonFiniteError, match="non-finite gradient in block 3"):
+        trainer.step(batches[1])
+    trainer._run = run
+    assert trainer.steps_done == 1
+    assert all(torch.equal(adapters[name], value) for name, value in trainer.adapters().items())
+    assert all(torch.equal(a, b) for before, now in zip(moments, trainer._moments) for a, b in zip(before, now))
+
+
+def test_bad_optimizer_settings_and_output_paths_are_named_errors(tmp_path):
+    with pytest.raises(edgetrain.EdgetrainError, match="lr"):
+        AdamWSettings(lr=float("nan"))
+    with pytest.raises(edgetrain.EdgetrainError, match="beta2"):
+        AdamWSettings(betas=(0.9, 1.5))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(edgetrain.EdgetrainError, match="a-file"):
+        export_mesp_program(lora_tiny(layers=1), BATCH, SEQ, blocker / "p.pte")
+    with pytest.raises(ExportError, match="positive integers"):
+        export_mesp_program(lora_tiny(layers=1), 0, SEQ, tmp_path / "p.pte")
+    assert not (tmp_path / "p.pte").exists() and not weights_path_for(tmp_path / "p.pte").exists()
+
+
+def test_a_model_without_adapters_or_not_float32_is_refused(tmp_path):
+    torch.manual_seed(0)
+    with pytest.raises(ExportError, match="no LoRA adapters"):
+        export_mesp_program(edgetrain.load_model("tiny"), BATCH, SEQ, tmp_path / "p.pte")
+    with pytest.raises(ExportError, match="float32"):
+        export_mesp_program(lora_tiny(layers=1).to(torch.bfloat16), BATCH, SEQ, tmp_path / "p.pte")
+
+
+def test_the_cli_exports_and_checks_against_torch(tmp_path, capsys):
+    from edgetrain.cli import main
+
+    out = tmp_path / "cli.pte"
+    code = main(["export", "--method", "mesp", "--model", "tiny", "--rank", "4", "--seq", str(SEQ), "--batch",
+                 str(BATCH), "--out", str(out), "--check", "2", "--quantize-bits", "8"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads(printed.strip().splitlines()[-1])
+    assert report["method"] == "mesp" and report["steps"] == 2
+    assert report["max_loss_error"] <= TOLERANCE and report["max_adapter_error"] <= TOLERANCE
+    assert WeightsFile(weights_path_for(out)).tensor("blocks.0.gate.codes").dtype == torch.uint8
