@@ -62,20 +62,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _stream(model, args):
-    from edgetrain.data import make_stream
-
-    name = args.data or ("text" if getattr(model, "task", None) == "lm" else "digits")
-    options = {"batch_size": args.batch, "seed": args.seed}
-    if getattr(model, "task", None) == "lm":
-        options.update(seq_len=args.seq, vocab_size=model.config.vocab_size)
-    return make_stream(name, **options)
-
-
 def main(args: argparse.Namespace) -> int:
     import torch
 
     import edgetrain
+    from edgetrain.cli.export_stream import batch_stream
     from edgetrain.export import (default_part, export_training, load_trainer, make_trainable,
                                   torch_sgd_trajectory, write_batch_file)
 
@@ -99,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
 
         load_adapter(model, args.adapter)
     make_trainable(model, part, rank=args.rank)
-    stream = _stream(model, args)
+    stream = batch_stream(model, args)
     steps = max(args.check, args.batch_steps if args.batch_file else 0, 1)
     batches = list(itertools.islice(stream, steps))
     reference = copy.deepcopy(model) if args.check else None

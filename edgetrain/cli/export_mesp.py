@@ -44,10 +44,10 @@ def write_mesp_program(args: argparse.Namespace) -> int:
           f"weights; batches of {args.batch} x {args.seq} tokens)")
     if not (args.batch_file or args.check):
         return 0
-    from edgetrain.cli.export import _stream
+    from edgetrain.cli.export_stream import batch_stream
 
     steps = max(args.check, args.batch_steps if args.batch_file else 0)
-    batches = list(itertools.islice(_stream(model, args), steps))
+    batches = list(itertools.islice(batch_stream(model, args), steps))
     if args.batch_file:
         write_batch_file(args.batch_file, batches[:args.batch_steps])
         print(f"wrote {args.batch_file} ({args.batch_steps} batches)")

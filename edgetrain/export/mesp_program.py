@@ -16,13 +16,17 @@ Weights-file tensors a runner reads (besides the manifest, which is for Python a
     inputs.head       int64: the same for `head`, after hidden and targets (the final norm first)
     inputs.block.{i}  int64: block i's frozen tensors, after x (and grad_out), cos, sin, adapters
     rope.cos, rope.sin, blocks.{i}.adapters (float32, the adapters the program starts from)
+    adapters.layout   int64 [matrices, 3]: offset, rows, cols of each LoRA matrix in a block's vector
+    adapters.names    uint8: their block-relative names, one a line (blocks.{i}. goes in front)
+    adapters.metadata uint8: the metadata JSON of edgetrain's adapter file, for the runner to write
 """
 from __future__ import annotations
 
+import json
 import math
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +177,10 @@ def _example_inputs(shape: ProgramShape, rope: tuple[torch.Tensor, torch.Tensor]
             "adamw": (vector(), vector(), vector(), vector(), torch.ones(len(ADAMW_SCALARS)))}
 
 
+def _text(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
 def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: str | Path,
                         config: MeSPConfig | None = None) -> tuple[Path, Path]:
     """Write the MeSP training program of `model` (a decoder with LoRA adapters, its frozen base dense or
@@ -229,6 +237,14 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
                      for i, block_tensors in enumerate(frozen)]
     for i, block_adapters in enumerate(adapters):
         add(f"blocks.{i}.adapters", block_adapters)
+    slices = layout.adapter_slices()
+    add("adapters.layout", torch.tensor([[offset, *part_shape] for _, _, offset, part_shape in slices],
+                                        dtype=torch.long).reshape(-1, 3))
+    add("adapters.names", _text("\n".join(f"{LORA_TARGETS[name]}.{part}" for name, part, _, _ in slices)))
+    # The metadata of edgetrain's adapter file, as its checksum covers it (edgetrain.training.checkpoint.
+    # payload_sha256): a native runner writes it verbatim and adds the checksum.
+    add("adapters.metadata", _text(json.dumps({"lora_config": json.dumps(asdict(model.lora_config))},
+                                              sort_keys=True, ensure_ascii=True)))
     add("inputs.embed", torch.tensor(embed_indices, dtype=torch.long))
     add("inputs.head", torch.tensor(head_indices, dtype=torch.long))
     for i, indices in enumerate(block_indices):

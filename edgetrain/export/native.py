@@ -22,6 +22,9 @@ from edgetrain.export.trainable import ExportError
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = "edgetrain_et_runner"
+MESP_RUNNER = "edgetrain_mesp_runner"
+# edgetrain_mesp_runner's exit statuses other than 0 (see targets/executorch/mesp_runner.cpp).
+MESP_EXIT_STATUS = {1: "internal error", 2: "usage", 3: "a bad, damaged or mismatched input", 5: "a non-finite step"}
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
 
 
@@ -32,7 +35,8 @@ class RunnerResult:
     output: str = ""
 
 
-def build_runner(build_dir: str | Path, source_dir: str | Path = REPO, python: str | None = None) -> Path:
+def build_runner(build_dir: str | Path, source_dir: str | Path = REPO, python: str | None = None,
+                 target: str = RUNNER) -> Path:
     """Configure and build the runner with CMake; returns the binary. Needs cmake, a C++17 compiler and
     the executorch wheel (its share/cmake config) in `python`'s environment."""
     cmake = shutil.which("cmake")
@@ -42,11 +46,11 @@ def build_runner(build_dir: str | Path, source_dir: str | Path = REPO, python: s
     configure = [cmake, "-S", str(source_dir), "-B", str(build_dir), f"-DPython3_EXECUTABLE={python or sys.executable}"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"] if not (build_dir / "CMakeCache.txt").exists() else []
-    for command in (configure, [cmake, "--build", str(build_dir), "--target", RUNNER]):
+    for command in (configure, [cmake, "--build", str(build_dir), "--target", target]):
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise ExportError(f"{' '.join(command[:2])} failed:\n{(result.stdout + result.stderr)[-3000:]}")
-    return build_dir / RUNNER
+    return build_dir / target
 
 
 def run_runner(binary: str | Path, program: str | Path, batches: str | Path, lr: float, *,
@@ -70,3 +74,40 @@ def run_runner(binary: str | Path, program: str | Path, batches: str | Path, lr:
             losses.append(struct.unpack("<f", struct.pack("<f", float(match.group(2))))[0])
     parameters = read_runner_parameters(save) if save is not None else {}
     return RunnerResult(losses, parameters, result.stdout)
+
+
+@dataclass
+class MeSPRunnerResult:
+    returncode: int
+    losses: list[float]
+    adapter: dict[str, torch.Tensor] = field(default_factory=dict)
+    output: str = ""
+    error: str = ""
+
+
+def run_mesp_runner(binary: str | Path, program: str | Path, batches: str | Path, *, lr: float | None = None,
+                    steps: int | None = None, checkpoint: str | Path | None = None, save: str | Path | None = None,
+                    weights: str | Path | None = None, weight_decay: float | None = None, check: bool = True,
+                    timeout: float = 1800) -> MeSPRunnerResult:
+    """Run edgetrain_mesp_runner; with `check`, a non-zero exit raises ExportError naming its cause. The saved
+    adapter is read back as edgetrain reads any adapter file (its checksum verified)."""
+    command = [str(binary), str(program), str(batches)]
+    for flag, value in (("--lr", lr), ("--steps", steps), ("--checkpoint", checkpoint), ("--save", save),
+                        ("--weights", weights), ("--weight-decay", weight_decay)):
+        if value is not None:
+            command += [flag, repr(value) if isinstance(value, float) else str(value)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    errors = [line for line in result.stderr.splitlines() if "edgetrain_mesp_runner" in line]
+    error = errors[-1] if errors else result.stderr.strip()[-500:]
+    if check and result.returncode != 0:
+        raise ExportError(f"{Path(binary).name} exited with {result.returncode} "
+                          f"({MESP_EXIT_STATUS.get(result.returncode, 'killed')}): {error}")
+    losses = [struct.unpack("<f", struct.pack("<f", float(m.group(2))))[0]
+              for m in (_STEP.match(line.strip()) for line in result.stdout.splitlines()) if m]
+    adapter = {}
+    if save is not None and result.returncode == 0:
+        from edgetrain.models.lora import read_lora_file
+
+        adapter = read_lora_file(save)[1]
+    return MeSPRunnerResult(result.returncode, losses, adapter, result.stdout, error)

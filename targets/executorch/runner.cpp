@@ -17,6 +17,8 @@
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include "runner_io.h"
+
 #include <cinttypes>
 #include <cmath>
 #include <cstdint>
@@ -38,67 +40,9 @@ using executorch::runtime::EValue;
 
 namespace {
 
-struct TensorSpec {
-  ScalarType type;
-  std::vector<int64_t> dims;
-  size_t element_size;
-  size_t numel;
-};
-
-struct BatchFile {
-  std::vector<TensorSpec> specs;
-  uint64_t count = 0;
-  std::vector<char> data;  // every batch, back to back
-  size_t batch_bytes = 0;
-};
-
-template <typename T>
-T read_value(std::ifstream& in, const std::string& path) {
-  T value;
-  if (!in.read(reinterpret_cast<char*>(&value), sizeof(T))) {
-    throw std::runtime_error(path + ": truncated header");
-  }
-  return value;
-}
-
-BatchFile read_batch_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open " + path);
-  char magic[8];
-  if (!in.read(magic, 8) || std::memcmp(magic, "EDGEBAT1", 8) != 0) {
-    throw std::runtime_error(path + ": not an edgetrain batch file (magic EDGEBAT1 missing)");
-  }
-  BatchFile file;
-  const uint32_t slots = read_value<uint32_t>(in, path);
-  if (slots != 2) throw std::runtime_error(path + ": expected 2 tensors per batch (inputs, targets)");
-  for (uint32_t s = 0; s < slots; ++s) {
-    TensorSpec spec;
-    const uint32_t code = read_value<uint32_t>(in, path);
-    const uint32_t ndim = read_value<uint32_t>(in, path);
-    if (code == 0) {
-      spec.type = ScalarType::Float;
-      spec.element_size = 4;
-    } else if (code == 1) {
-      spec.type = ScalarType::Long;
-      spec.element_size = 8;
-    } else {
-      throw std::runtime_error(path + ": unknown dtype code " + std::to_string(code));
-    }
-    spec.numel = 1;
-    for (uint32_t d = 0; d < ndim; ++d) {
-      spec.dims.push_back(read_value<int64_t>(in, path));
-      spec.numel *= static_cast<size_t>(spec.dims.back());
-    }
-    file.batch_bytes += spec.numel * spec.element_size;
-    file.specs.push_back(spec);
-  }
-  file.count = read_value<uint64_t>(in, path);
-  file.data.resize(file.batch_bytes * file.count);
-  if (!in.read(file.data.data(), static_cast<std::streamsize>(file.data.size()))) {
-    throw std::runtime_error(path + ": truncated data (" + std::to_string(file.count) + " batches announced)");
-  }
-  return file;
-}
+using edgetrain::BatchFile;
+using edgetrain::TensorSpec;
+using edgetrain::read_batch_file;
 
 int64_t index_of(Module& module, const std::string& method) {
   auto result = module.execute(method);
@@ -119,46 +63,6 @@ std::vector<std::string> parameter_names(Module& module, size_t expected) {
   }
   for (size_t i = names.size(); i < expected; ++i) names.push_back("param_" + std::to_string(i));
   return names;
-}
-
-std::string json_escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') out.push_back('\\');
-    out.push_back(c);
-  }
-  return out;
-}
-
-// A safetensors file: u64 header length, JSON header, raw little-endian float32 data.
-void save_safetensors(const std::string& path, const std::vector<std::string>& names,
-                      const std::vector<Tensor>& tensors) {
-  std::ostringstream header;
-  header << "{";
-  size_t offset = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const Tensor& t = tensors[i];
-    header << (i ? "," : "") << "\"" << json_escape(names[i]) << "\":{\"dtype\":\"F32\",\"shape\":[";
-    for (ssize_t d = 0; d < t.dim(); ++d) header << (d ? "," : "") << t.size(d);
-    header << "],\"data_offsets\":[" << offset << "," << offset + t.nbytes() << "]}";
-    offset += t.nbytes();
-  }
-  header << "}";
-  std::string text = header.str();
-  while (text.size() % 8) text.push_back(' ');  // the format pads the header to 8 bytes
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw std::runtime_error("cannot write " + tmp);
-    const uint64_t length = text.size();
-    out.write(reinterpret_cast<const char*>(&length), sizeof(length));
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const Tensor& t : tensors) {
-      out.write(static_cast<const char*>(t.const_data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-    }
-    if (!out.flush()) throw std::runtime_error("cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp);
 }
 
 int usage() {
@@ -241,7 +145,13 @@ int run(int argc, char** argv) {
   }
   if (!save_path.empty()) {
     if (parameters.empty()) throw std::runtime_error("no step was run: nothing to save");
-    save_safetensors(save_path, names, parameters);
+    std::vector<edgetrain::NamedFloats> named;
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      const Tensor& t = parameters[i];
+      named.push_back({names[i], std::vector<int64_t>(t.sizes().begin(), t.sizes().end()),
+                       t.const_data_ptr<float>(), static_cast<size_t>(t.numel())});
+    }
+    edgetrain::atomic_write(save_path, edgetrain::safetensors_bytes(named));
     std::printf("saved %zu parameters to %s\n", parameters.size(), save_path.c_str());
   }
   return 0;

@@ -1,0 +1,269 @@
+// Files the native runners read and write: edgetrain's batch stream file, safetensors output, crash-safe
+// replacement, and the two checksums the formats use (CRC-32 as zlib computes it, SHA-256).
+#pragma once
+
+#include <executorch/runtime/core/exec_aten/exec_aten.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace edgetrain {
+
+// A bad input file or batch: the runners exit with status 3 and name the file.
+struct InputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct TensorSpec {
+  executorch::aten::ScalarType type;
+  std::vector<int64_t> dims;
+  size_t element_size;
+  size_t numel;
+};
+
+struct BatchFile {
+  std::vector<TensorSpec> specs;
+  uint64_t count = 0;
+  std::vector<char> data;  // every batch, back to back
+  size_t batch_bytes = 0;
+};
+
+template <typename T>
+T read_value(std::ifstream& in, const std::string& path) {
+  T value;
+  if (!in.read(reinterpret_cast<char*>(&value), sizeof(T))) throw InputError(path + ": truncated header");
+  return value;
+}
+
+// "EDGEBAT1", u32 tensors per batch, per tensor (u32 dtype 0 float32 / 1 int64, u32 ndim, i64 dims),
+// u64 batches, then the data (edgetrain/export/stream_file.py).
+inline BatchFile read_batch_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError("cannot open " + path);
+  char magic[8];
+  if (!in.read(magic, 8) || std::memcmp(magic, "EDGEBAT1", 8) != 0) {
+    throw InputError(path + ": not an edgetrain batch file (magic EDGEBAT1 missing)");
+  }
+  BatchFile file;
+  const uint32_t slots = read_value<uint32_t>(in, path);
+  if (slots != 2) throw InputError(path + ": expected 2 tensors per batch (inputs, targets)");
+  for (uint32_t s = 0; s < slots; ++s) {
+    TensorSpec spec;
+    const uint32_t code = read_value<uint32_t>(in, path);
+    const uint32_t ndim = read_value<uint32_t>(in, path);
+    if (code == 0) {
+      spec.type = executorch::aten::ScalarType::Float;
+      spec.element_size = 4;
+    } else if (code == 1) {
+      spec.type = executorch::aten::ScalarType::Long;
+      spec.element_size = 8;
+    } else {
+      throw InputError(path + ": unknown dtype code " + std::to_string(code));
+    }
+    if (ndim > 8) throw InputError(path + ": a tensor of " + std::to_string(ndim) + " dimensions");
+    spec.numel = 1;
+    for (uint32_t d = 0; d < ndim; ++d) {
+      const int64_t dim = read_value<int64_t>(in, path);
+      if (dim < 0 || dim > (int64_t{1} << 32)) throw InputError(path + ": a dimension of " + std::to_string(dim));
+      spec.dims.push_back(dim);
+      spec.numel *= static_cast<size_t>(dim);
+    }
+    file.batch_bytes += spec.numel * spec.element_size;
+    file.specs.push_back(spec);
+  }
+  file.count = read_value<uint64_t>(in, path);
+  const auto data_start = in.tellg();
+  in.seekg(0, std::ios::end);
+  const auto available = static_cast<uint64_t>(in.tellg() - data_start);
+  in.seekg(data_start);
+  if (file.batch_bytes == 0 || available / file.batch_bytes < file.count) {
+    throw InputError(path + ": truncated data (" + std::to_string(file.count) + " batches announced)");
+  }
+  file.data.resize(file.batch_bytes * file.count);
+  if (!in.read(file.data.data(), static_cast<std::streamsize>(file.data.size()))) {
+    throw InputError(path + ": truncated data (" + std::to_string(file.count) + " batches announced)");
+  }
+  return file;
+}
+
+inline std::string json_escape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out.push_back('\\');
+    out.push_back(c);
+  }
+  return out;
+}
+
+// Replace `path` by `bytes`: written to a temporary beside it, flushed to disk, renamed over it, so a kill at
+// any moment leaves the old file or the whole new one.
+inline void atomic_write(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      ::close(fd);
+      throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) throw std::runtime_error("cannot flush " + tmp);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp + " to " + path);
+  const size_t slash = path.find_last_of('/');
+  const std::string directory = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const int dir = ::open(directory.c_str(), O_RDONLY);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+struct NamedFloats {
+  std::string name;
+  std::vector<int64_t> shape;
+  const float* data;
+  size_t numel;
+};
+
+// A safetensors file of float32 tensors: u64 header length, JSON header (padded to 8 bytes), the data.
+// `metadata_json`, when given, is the "__metadata__" object's JSON text.
+inline std::string safetensors_bytes(const std::vector<NamedFloats>& tensors, const std::string& metadata_json = "") {
+  std::ostringstream header;
+  header << "{";
+  if (!metadata_json.empty()) header << "\"__metadata__\":" << metadata_json << (tensors.empty() ? "" : ",");
+  size_t offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const NamedFloats& t = tensors[i];
+    header << (i ? "," : "") << "\"" << json_escape(t.name) << "\":{\"dtype\":\"F32\",\"shape\":[";
+    for (size_t d = 0; d < t.shape.size(); ++d) header << (d ? "," : "") << t.shape[d];
+    header << "],\"data_offsets\":[" << offset << "," << offset + 4 * t.numel << "]}";
+    offset += 4 * t.numel;
+  }
+  header << "}";
+  std::string text = header.str();
+  while (text.size() % 8) text.push_back(' ');  // the format pads the header to 8 bytes
+  std::string out;
+  const uint64_t length = text.size();
+  out.append(reinterpret_cast<const char*>(&length), sizeof(length));
+  out += text;
+  for (const NamedFloats& t : tensors) out.append(reinterpret_cast<const char*>(t.data), 4 * t.numel);
+  return out;
+}
+
+inline uint32_t crc32(const unsigned char* data, size_t size, uint32_t crc = 0) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  crc = ~crc;
+  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ data[i]) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+// SHA-256 (FIPS 180-4), for the checksum edgetrain's adapter files carry.
+class Sha256 {
+ public:
+  void update(const void* data, size_t size) {
+    const auto* bytes = static_cast<const unsigned char*>(data);
+    length_ += size;
+    while (size) {
+      const size_t take = std::min(size, size_t{64} - buffered_);
+      std::memcpy(buffer_ + buffered_, bytes, take);
+      buffered_ += take;
+      bytes += take;
+      size -= take;
+      if (buffered_ == 64) {
+        block(buffer_);
+        buffered_ = 0;
+      }
+    }
+  }
+  void update(const std::string& text) { update(text.data(), text.size()); }
+
+  std::string hex() {
+    const uint64_t bits = length_ * 8;
+    const unsigned char one = 0x80, zero = 0;
+    update(&one, 1);
+    while (buffered_ != 56) update(&zero, 1);
+    unsigned char tail[8];
+    for (int i = 0; i < 8; ++i) tail[i] = static_cast<unsigned char>(bits >> (56 - 8 * i));
+    update(tail, 8);
+    static const char* digits = "0123456789abcdef";
+    std::string out;
+    for (uint32_t word : state_) {
+      for (int i = 28; i >= 0; i -= 4) out.push_back(digits[(word >> i) & 0xF]);
+    }
+    return out;
+  }
+
+ private:
+  static uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+  void block(const unsigned char* p) {
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+        0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+        0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+        0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+        0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+        0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+        0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i) {
+      w[i] = (uint32_t{p[4 * i]} << 24) | (uint32_t{p[4 * i + 1]} << 16) | (uint32_t{p[4 * i + 2]} << 8) | p[4 * i + 3];
+    }
+    for (int i = 16; i < 64; ++i) {
+      const uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      const uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = state_[0], b = state_[1], c = state_[2], d = state_[3];
+    uint32_t e = state_[4], f = state_[5], g = state_[6], h = state_[7];
+    for (int i = 0; i < 64; ++i) {
+      const uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
+      const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      h = g;
+      g = f;
+      f = e;
+      e = d + t1;
+      d = c;
+      c = b;
+      b = a;
+      a = t1 + t2;
+    }
+    state_[0] += a;
+    state_[1] += b;
+    state_[2] += c;
+    state_[3] += d;
+    state_[4] += e;
+    state_[5] += f;
+    state_[6] += g;
+    state_[7] += h;
+  }
+
+  uint32_t state_[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  unsigned char buffer_[64] = {};
+  size_t buffered_ = 0;
+  uint64_t length_ = 0;
+};
+
+}  // namespace edgetrain
