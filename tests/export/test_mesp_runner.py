@@ -1,0 +1,142 @@
+"""edgetrain_mesp_runner (targets/executorch/mesp_runner.cpp), built by the top-level CMakeLists.txt: MeSP's
+schedule over an exported program and its packed weights file, with no Python, trains the same adapters as
+the program's Python replay and as torch's mesp; resumes from its checkpoint bit for bit, also after a kill;
+refuses bad or mismatched files with exit status 3 and changes nothing; writes an adapter edgetrain loads."""
+from __future__ import annotations
+
+import copy
+import itertools
+import shutil
+import signal
+import subprocess
+
+import pytest
+import torch
+
+import edgetrain
+
+pytest.importorskip("executorch.exir", reason="ExecuTorch not installed: pip install 'edgetrain[export]'")
+
+from edgetrain.export import make_trainable, write_batch_file  # noqa: E402
+from edgetrain.export.mesp_program import (AdamWSettings, MeSPProgramTrainer, export_mesp_program,  # noqa: E402
+                                           mesp_reference)
+from edgetrain.export.native import MESP_RUNNER, build_runner, run_mesp_runner  # noqa: E402
+
+STEPS = 5
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip("building the native runner needs cmake and a C++ compiler")
+    return build_runner(tmp_path_factory.mktemp("native-build"), target=MESP_RUNNER)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from edgetrain.data import make_stream
+
+    directory = tmp_path_factory.mktemp("mesp-runner")
+    torch.manual_seed(0)
+    model = make_trainable(edgetrain.load_model("tiny", quantize_bits=4), "lora", rank=4)
+    reference = copy.deepcopy(model)
+    program, weights = export_mesp_program(model, 2, 16, directory / "tiny.pte")
+    batches = list(itertools.islice(make_stream("text", batch_size=2, seq_len=16, vocab_size=256), STEPS))
+    batch_file = write_batch_file(directory / "batches.bin", batches)
+    return program, weights, batch_file, batches, reference
+
+
+def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, exported, tmp_path):
+    program, weights, batch_file, batches, reference = exported
+    native = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "adapter.safetensors")
+    replay = MeSPProgramTrainer(program, weights, AdamWSettings(lr=LR))
+    replay_losses = [replay.step(batch) for batch in batches]
+    assert native.losses == replay_losses  # the same program on the same inputs: bit for bit
+    replay_adapters = replay.adapters()
+    assert set(native.adapter) == set(replay_adapters)
+    assert all(torch.equal(native.adapter[name], value) for name, value in replay_adapters.items())
+    torch_losses, torch_adapters = mesp_reference(copy.deepcopy(reference), batches, AdamWSettings(lr=LR))
+    assert max(abs(a - b) for a, b in zip(native.losses, torch_losses)) <= 1e-5
+    assert max(float((native.adapter[n] - t).abs().max()) for n, t in torch_adapters.items()) <= 1e-5
+    # The adapter file is edgetrain's: it loads into the model and converts (here to PEFT).
+    from edgetrain.adapters.convert import load_adapter
+
+    model = copy.deepcopy(reference)
+    load_adapter(model, tmp_path / "adapter.safetensors")
+    assert torch.equal(dict(model.named_parameters())["blocks.3.mlp.down_proj.lora_B"],
+                       native.adapter["blocks.3.mlp.down_proj.lora_B"])
+
+
+def test_resume_from_the_checkpoint_is_bit_for_bit(runner, exported, tmp_path):
+    program, _, batch_file, _, _ = exported
+    whole = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "whole.safetensors")
+    checkpoint = tmp_path / "state.ckpt"
+    first = run_mesp_runner(runner, program, batch_file, lr=LR, steps=2, checkpoint=checkpoint)
+    rest = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=checkpoint,
+                           save=tmp_path / "resumed.safetensors")
+    assert "resumed from" in rest.output and "after step 2" in rest.output
+    assert first.losses + rest.losses == whole.losses
+    assert all(torch.equal(rest.adapter[name], value) for name, value in whole.adapter.items())
+
+
+def test_a_kill_mid_run_resumes_to_the_same_adapters(runner, exported, tmp_path):
+    program, _, batch_file, _, _ = exported
+    whole = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "whole.safetensors")
+    checkpoint = tmp_path / "state.ckpt"
+    process = subprocess.Popen([str(runner), str(program), str(batch_file), "--lr", repr(LR), "--checkpoint",
+                                str(checkpoint)], stdout=subprocess.PIPE, text=True)
+    for line in process.stdout:  # killed right after step 2's checkpoint began (or ended)
+        if line.startswith("step 2 "):
+            process.send_signal(signal.SIGKILL)
+            break
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    resumed = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=checkpoint,
+                              save=tmp_path / "resumed.safetensors")
+    assert resumed.losses == whole.losses[-len(resumed.losses):]
+    assert all(torch.equal(resumed.adapter[name], value) for name, value in whole.adapter.items())
+
+
+def _flip(path, position: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[position] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_bad_inputs_exit_3_naming_the_file_and_write_nothing(runner, exported, tmp_path):
+    program, weights, batch_file, batches, _ = exported
+    copied = tmp_path / "p.pte"
+    shutil.copy(program, copied)
+    shutil.copy(weights, tmp_path / "p.weights")
+    save = tmp_path / "never.safetensors"
+
+    def refused(match: str, *args, **options):
+        result = run_mesp_runner(runner, *args, lr=LR, save=save, check=False, **options)
+        assert result.returncode == 3, result.error
+        assert match in result.error
+        assert not save.exists()
+
+    _flip(tmp_path / "p.weights", (tmp_path / "p.weights").stat().st_size - 3)
+    refused("checksum", copied, batch_file)
+    refused("cannot open the weights file", copied, batch_file, weights=tmp_path / "missing.weights")
+    damaged = tmp_path / "damaged.pte"
+    shutil.copy(program, damaged)
+    _flip(damaged, 200)
+    refused("is not the program", damaged, batch_file, weights=weights)
+    outside = [copy.deepcopy(batch) for batch in batches[:2]]
+    outside[1].inputs[0, 3] = 300
+    refused("batch 1: token id 300 outside the vocabulary [0, 256)", program,
+            write_batch_file(tmp_path / "outside.bin", outside))
+    from edgetrain.data.batch import Batch
+
+    short = [Batch(batch.inputs[:, :8], batch.targets[:, :8], batch.index) for batch in batches[:2]]
+    refused("the shape the program was exported for", program, write_batch_file(tmp_path / "short.bin", short))
+    checkpoint = tmp_path / "state.ckpt"
+    run_mesp_runner(runner, program, batch_file, lr=LR, steps=1, checkpoint=checkpoint)
+    _flip(checkpoint, 50)
+    before = checkpoint.read_bytes()
+    refused("the checkpoint is damaged", program, batch_file, checkpoint=checkpoint)
+    assert checkpoint.read_bytes() == before  # a refused run leaves the checkpoint as it was
+    usage = run_mesp_runner(runner, program, batch_file, lr=float("nan"), check=False)
+    assert usage.returncode == 2 and "--lr" in usage.error
