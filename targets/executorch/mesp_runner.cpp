@@ -342,23 +342,28 @@ class MeSPRunner {
 
     std::vector<float> scalars = adamw_.scalars(state_.steps_done + 1);
     TensorPtr scalar_tensor = make_tensor_ptr(std::vector<SizesType>{7}, scalars.data(), ScalarType::Float);
-    State next = state_;
-    for (int64_t b = 0; b < shape_.blocks; ++b) {
-      TensorPtr p = floats(state_.adapters[b], vector_sizes), g = floats(grads[b], vector_sizes);
-      TensorPtr m = floats(state_.exp_avg[b], vector_sizes), v = floats(state_.exp_avg_sq[b], vector_sizes);
-      const auto out = run("adamw", {EValue(*p), EValue(*g), EValue(*m), EValue(*v), EValue(*scalar_tensor)});
-      copy_out(out.at(0), next.adapters[b]);
-      copy_out(out.at(1), next.exp_avg[b]);
-      copy_out(out.at(2), next.exp_avg_sq[b]);
-      for (const auto* v2 : {&next.adapters[b], &next.exp_avg[b], &next.exp_avg_sq[b]}) {
-        if (!all_finite(v2->data(), v2->size())) {
-          throw NonFinite("batch " + std::to_string(batch_index) + ": the AdamW update of block " + std::to_string(b) +
-                          " came out non-finite");
+    // All or nothing without a second copy of the state: every block's update is tried first and only
+    // checked (the outputs live in the method's planned memory), then, all being finite, run again and kept.
+    for (const bool keep : {false, true}) {
+      for (int64_t b = 0; b < shape_.blocks; ++b) {
+        TensorPtr p = floats(state_.adapters[b], vector_sizes), g = floats(grads[b], vector_sizes);
+        TensorPtr m = floats(state_.exp_avg[b], vector_sizes), v = floats(state_.exp_avg_sq[b], vector_sizes);
+        const auto out = run("adamw", {EValue(*p), EValue(*g), EValue(*m), EValue(*v), EValue(*scalar_tensor)});
+        for (size_t i = 0; i < 3; ++i) {
+          const Tensor& t = out.at(i).toTensor();
+          if (!keep && !all_finite(t.const_data_ptr<float>(), static_cast<size_t>(t.numel()))) {
+            throw NonFinite("batch " + std::to_string(batch_index) + ": the AdamW update of block " +
+                            std::to_string(b) + " came out non-finite");
+          }
+        }
+        if (keep) {
+          copy_out(out.at(0), state_.adapters[b]);
+          copy_out(out.at(1), state_.exp_avg[b]);
+          copy_out(out.at(2), state_.exp_avg_sq[b]);
         }
       }
     }
-    next.steps_done = state_.steps_done + 1;
-    state_ = std::move(next);  // nothing changed until every block's update was whole and finite
+    state_.steps_done += 1;
     return loss;
   }
 
