@@ -70,6 +70,37 @@ def _replace_empty_permuted(graph_module: torch.fx.GraphModule) -> int:
     return replaced
 
 
+def _split_addmm(graph_module: torch.fx.GraphModule) -> int:
+    """Rewrite aten.addmm(bias, a, b, beta, alpha) as beta * bias + alpha * mm(a, b): ExecuTorch's optimized
+    CPU kernels have mm (a BLAS-style GEMM) but no addmm, whose portable kernel is a plain triple loop."""
+    aten = torch.ops.aten
+    graph = graph_module.graph
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.addmm.default:
+            continue
+        bias, left, right = node.args[:3]
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        with graph.inserting_before(node):
+            product = graph.call_function(aten.mm.default, (left, right))
+            product.meta = dict(node.meta)
+            if alpha != 1:
+                product = graph.call_function(aten.mul.Scalar, (product, alpha))
+                product.meta = dict(node.meta)
+            if beta != 1:
+                bias = graph.call_function(aten.mul.Scalar, (bias, beta))
+                bias.meta = dict(node.meta)
+            total = graph.call_function(aten.add.Tensor, (bias, product))
+            total.meta = dict(node.meta)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        graph.lint()
+        graph_module.recompile()
+    return replaced
+
+
 def _program_operators(program) -> set[str]:
     """"aten::mm.out"-style names of every operator the serialised program calls."""
     names = set()
@@ -144,6 +175,7 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
             try:
                 exported[name] = torch.export.export(module, example_inputs[name], strict=False).run_decompositions()
                 _replace_empty_permuted(exported[name].graph_module)
+                _split_addmm(exported[name].graph_module)
             except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
                 raise ExportError(f"torch.export could not trace the {name} program: {type(exc).__name__}: "
                                   f"{exc}") from exc

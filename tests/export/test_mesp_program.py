@@ -214,3 +214,19 @@ def test_the_cli_exports_and_checks_against_torch(tmp_path, capsys):
     assert report["method"] == "mesp" and report["steps"] == 2
     assert report["max_loss_error"] <= TOLERANCE and report["max_adapter_error"] <= TOLERANCE
     assert WeightsFile(weights_path_for(out)).tensor("blocks.0.gate.codes").dtype == torch.uint8
+
+
+def test_addmm_is_split_into_the_optimized_mm_with_its_scales():
+    # ExecuTorch's optimized CPU kernels have mm but not addmm (a naive loop there): the lowering rewrites it.
+    from edgetrain.export.executorch import _split_addmm
+
+    class Scaled(torch.nn.Module):
+        def forward(self, bias, left, right):
+            return torch.addmm(bias, left, right, beta=0.5, alpha=-2.0)
+
+    args = (torch.randn(3, 4), torch.randn(3, 5), torch.randn(5, 4))
+    exported = torch.export.export(Scaled(), args, strict=False).run_decompositions()
+    assert _split_addmm(exported.graph_module) == 1
+    targets = {str(node.target) for node in exported.graph_module.graph.nodes}
+    assert "aten.addmm.default" not in targets and "aten.mm.default" in targets
+    torch.testing.assert_close(exported.module()(*args), Scaled()(*args))
