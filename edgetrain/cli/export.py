@@ -30,7 +30,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--trainable", choices=("lora", "head"), default=None,
                         help="what learns: LoRA adapters (decoders, the default for them) or the head "
                              "(classifiers, the default for them)")
-    parser.add_argument("--runtime", choices=("executorch", "onnxruntime"), default="executorch")
+    parser.add_argument("--runtime", choices=("executorch", "onnxruntime", "mlx"), default="executorch",
+                        help="executorch (.pte), onnxruntime (a directory of artifacts) or, with --method mesp, mlx "
+                             "(a directory of MLX exported functions)")
     parser.add_argument("--method", choices=("bp", "mesp"), default="bp",
                         help="bp: one joint forward-backward program, SGD (default); mesp: MeSP's step as five "
                              "methods (embedding, block forward, block backward, head, AdamW) over a weights "
@@ -80,6 +82,8 @@ def main(args: argparse.Namespace) -> int:
         args.lr = 1e-3 if args.lr is None else args.lr
         return write_mesp_program(args)
     args.lr = 0.05 if args.lr is None else args.lr
+    if args.runtime == "mlx":
+        raise edgetrain.EdgetrainError("--runtime mlx writes MeSP's step (--method mesp); MLX has no joint program")
     if args.quantize_bits is not None:
         raise edgetrain.EdgetrainError("--quantize-bits is for --method mesp (the joint program holds fp32 weights)")
     torch.manual_seed(args.seed)

@@ -23,11 +23,14 @@ def write_mesp_program(args: argparse.Namespace) -> int:
     from edgetrain.export.trainable import ExportError
     from edgetrain.training.schedules import check_learning_rate
 
-    if args.runtime != "executorch":
-        raise ExportError(f"--method mesp writes ExecuTorch programs; --runtime {args.runtime} is not supported")
+    if args.runtime not in ("executorch", "mlx"):
+        raise ExportError(f"--method mesp writes ExecuTorch programs or MLX functions; --runtime {args.runtime} "
+                          "is not supported")
     if args.trainable not in (None, "lora"):
         raise ExportError("--method mesp trains LoRA adapters (--trainable lora)")
     optimizer = AdamWSettings(lr=check_learning_rate(args.lr))
+    if args.runtime == "mlx":
+        return write_mlx_functions(args, optimizer)
     torch.manual_seed(args.seed)
     model = edgetrain.load_model(args.model, quantize_bits=args.quantize_bits)
     if getattr(model, "task", None) != "lm":
@@ -65,4 +68,49 @@ def write_mesp_program(args: argparse.Namespace) -> int:
         if max(loss_error, adapter_error) > 1e-5:
             print("edgetrain export: the ExecuTorch run differs from torch's mesp by more than 1e-5", file=sys.stderr)
             return 1
+    return 0
+
+
+def write_mlx_functions(args: argparse.Namespace, optimizer) -> int:
+    """--runtime mlx: the same step as MLX exported functions (edgetrain/export/mlx_program.py), checked against
+    MLX's own mesp learner with --check."""
+    import mlx.core as mx
+
+    import edgetrain
+    from edgetrain.backends.mlx.lora import add_lora, trainable_parameters
+    from edgetrain.cli.export_stream import batch_stream
+    from edgetrain.export.mlx_program import MLXProgramTrainer, export_mlx_mesp
+
+    mx.random.seed(args.seed)
+    model = edgetrain.load_model(args.model, backend="mlx", quantize_bits=args.quantize_bits)
+    if args.adapter:
+        from edgetrain.adapters.convert import load_adapter
+
+        load_adapter(model, args.adapter)
+    else:
+        add_lora(model, rank=args.rank)
+    reference = copy.deepcopy(model) if args.check else None
+    directory = export_mlx_mesp(model, args.batch, args.seq, args.out)
+    trainable = sum(array.size for array in trainable_parameters(model).values())
+    print(f"wrote {directory} (mesp as MLX functions, {len(model.blocks)} blocks of {args.model}: {trainable:,} LoRA "
+          f"weights; batches of {args.batch} x {args.seq} tokens)")
+    if not args.check:
+        return 0
+    batches = list(itertools.islice(batch_stream(model, args), args.check))
+    trainer = MLXProgramTrainer(directory, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
+                                weight_decay=optimizer.weight_decay)
+    losses = [trainer.step(batch.inputs.numpy(), batch.targets.numpy()) for batch in batches]
+    learner = edgetrain.Learner(reference, method="mesp", backend="mlx", optimizer="adamw", lr=optimizer.lr,
+                                optimizer_options={"weight_decay": optimizer.weight_decay})
+    ref_losses = [learner.step(batch).loss for batch in batches]
+    ref_adapters, adapters = trainable_parameters(reference), trainer.adapters()
+    loss_error = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    adapter_error = max(float(mx.max(mx.abs(adapters[name] - ref))) for name, ref in ref_adapters.items())
+    for step, (loss, ref) in enumerate(zip(losses, ref_losses), 1):
+        print(f"step {step:3d}  loss {loss:.6f} (MLX functions)  {ref:.6f} (MLX mesp)")
+    print(json.dumps({"runtime": "mlx", "method": "mesp", "steps": args.check, "max_loss_error": loss_error,
+                      "max_adapter_error": adapter_error}))
+    if max(loss_error, adapter_error) > 1e-5:
+        print("edgetrain export: the MLX functions differ from MLX's mesp by more than 1e-5", file=sys.stderr)
+        return 1
     return 0

@@ -101,6 +101,34 @@ def _split_addmm(graph_module: torch.fx.GraphModule) -> int:
     return replaced
 
 
+def _linear_for_transposed_products(graph_module: torch.fx.GraphModule) -> int:
+    """Rewrite mm(a, permute(w, [1, 0])) as linear(a, w): ExecuTorch's edge dialect turns every permute into a
+    permute_copy, which copied a whole weight matrix before each product (a quarter of a SmolLM2 block's
+    backward), while its optimized linear kernel reads w as stored."""
+    aten = torch.ops.aten
+    graph = graph_module.graph
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.mm.default:
+            continue
+        left, right = node.args
+        if not (isinstance(right, torch.fx.Node) and right.op == "call_function"
+                and right.target == aten.permute.default and list(right.args[1]) == [1, 0]):
+            continue
+        with graph.inserting_before(node):
+            linear = graph.call_function(aten.linear.default, (left, right.args[0]))
+            linear.meta = dict(node.meta)
+        node.replace_all_uses_with(linear)
+        graph.erase_node(node)
+        if not right.users:
+            graph.erase_node(right)
+        replaced += 1
+    if replaced:
+        graph.lint()
+        graph_module.recompile()
+    return replaced
+
+
 def _program_operators(program) -> set[str]:
     """"aten::mm.out"-style names of every operator the serialised program calls."""
     names = set()
@@ -165,7 +193,7 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
     for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step). Inference graphs:
     no joint forward-backward, so nothing here is experimental beyond the program format."""
     _require_executorch()
-    from executorch.exir import to_edge
+    from executorch.exir import EdgeCompileConfig, to_edge
     from torch._export.verifier import SpecViolationError
 
     exported = {}
@@ -176,11 +204,15 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
                 exported[name] = torch.export.export(module, example_inputs[name], strict=False).run_decompositions()
                 _replace_empty_permuted(exported[name].graph_module)
                 _split_addmm(exported[name].graph_module)
+                _linear_for_transposed_products(exported[name].graph_module)
             except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
                 raise ExportError(f"torch.export could not trace the {name} program: {type(exc).__name__}: "
                                   f"{exc}") from exc
         try:
-            program = to_edge(exported).to_executorch()
+            # linear is not Core ATen, but the runtime's optimized kernels have it (see above).
+            config = EdgeCompileConfig(_core_aten_ops_exception_list=[torch.ops.aten.linear.default],
+                                       preserve_ops=[torch.ops.aten.linear.default])
+            program = to_edge(exported, compile_config=config).to_executorch()
         except SpecViolationError as exc:
             raise ExportError(f"ExecuTorch cannot lower this program: {_first_line_naming_operator(str(exc))}") from exc
     _check_runtime_has_kernels(program)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgetrain.registry import EdgetrainError
+from edgetrain.backends.mlx.evaluation import evaluate
 
 ComputeMode = Literal["quantized", "dequantize"]
 DEFAULT_GROUP_SIZE = 64
@@ -70,7 +71,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         for start, stop in self._row_pieces():
             pieces.append(x @ self._dense_rows(start, stop, x.dtype).T)
             if eager:
-                mx.eval(pieces[-1])
+                evaluate(pieces[-1])
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
 
     def matmul(self, g: mx.array, eager: bool = False) -> mx.array:
@@ -83,7 +84,7 @@ class QuantizedLinear(nn.QuantizedLinear):
             part = g[..., start:stop] @ self._dense_rows(start, stop, g.dtype)
             total = part if total is None else total + part
             if eager:
-                mx.eval(total)
+                evaluate(total)
         return total
 
     def __call__(self, x: mx.array) -> mx.array:

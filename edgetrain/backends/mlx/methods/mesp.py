@@ -27,6 +27,7 @@ from edgetrain.backends.mlx.model import MLXDecoder
 from edgetrain.methods.configs import MeSPConfig, method_config
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.losses import IGNORE_INDEX
+from edgetrain.backends.mlx.evaluation import evaluate
 
 # The torch method's defaults (edgetrain.methods.mesp.method), for the same bounded temporaries.
 DEFAULT_ATTENTION_CHUNK = MeSPConfig.attention_chunk
@@ -85,7 +86,7 @@ def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weig
             other_weighted_rows = other_weighted_rows * rescale + exps @ weight_block.astype(work)
             running_max = new_max
             # One tile alive at a time: without this, the lazy graph would hold every tile.
-            mx.eval(running_max, target_logits, other_exp_sum, other_weighted_rows)
+            evaluate(running_max, target_logits, other_exp_sum, other_weighted_rows)
         exp_sum = other_exp_sum + mx.exp(target_logits - running_max)
         gap = running_max - target_logits
         token_loss = mx.where(gap < 30, mx.log1p(other_exp_sum * mx.exp(mx.minimum(gap, 30))),
@@ -95,7 +96,7 @@ def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weig
         target_rows = lm_weight[safe_targets[:, 0]].astype(work)
         grad_normed = ((other_weighted_rows - target_rows * other_exp_sum) * (row_weight / exp_sum)).astype(dtype)
         grad_chunks.append(rms_norm_backward(hidden_chunk, norm_weight, eps, grad_normed))
-        mx.eval(loss_sum, grad_chunks[-1])
+        evaluate(loss_sum, grad_chunks[-1])
     grad_hidden = mx.concatenate(grad_chunks, axis=0) if len(grad_chunks) > 1 else grad_chunks[0]
     return (loss_sum * inverse_count).astype(work), grad_hidden.reshape(hidden.shape)
 

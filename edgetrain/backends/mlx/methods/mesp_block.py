@@ -28,6 +28,7 @@ from edgetrain.backends.mlx.model import DecoderBlock
 from edgetrain.backends.mlx.quantize import QuantizedLinear
 from edgetrain.models.lora import LORA_TARGETS
 from edgetrain.registry import EdgetrainError
+from edgetrain.backends.mlx.evaluation import evaluate
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -112,11 +113,11 @@ def block_forward(weights: BlockWeights, x: mx.array, rope: tuple[mx.array, mx.a
     _check_chunk("mlp_chunk", mlp_chunk)
     batch, seq_len, dim = x.shape
     h1 = _attention_half(weights, x.reshape(batch * seq_len, dim), batch, seq_len, rope, attention_chunk)[5]
-    mx.eval(h1)
+    evaluate(h1)
     outputs = []
     for start in range(0, h1.shape[0], mlp_chunk):
         outputs.append(_mlp_forward(weights, h1[start:start + mlp_chunk]))
-        mx.eval(outputs[-1])
+        evaluate(outputs[-1])
     out = mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
     return out.reshape(batch, seq_len, dim)
 
@@ -155,7 +156,7 @@ def block_backward(weights: BlockWeights, x: mx.array, grad_out: mx.array, rope:
         weights, flat_x, batch, seq_len, rope, attention_chunk)
     if not store_lora_projection:
         qkv_projection = o_projection = None
-    mx.eval(q, k, v, attention, attention_flat, h1, *[p for p in (qkv_projection, o_projection) if p is not None])
+    evaluate(q, k, v, attention, attention_flat, h1, *[p for p in (qkv_projection, o_projection) if p is not None])
 
     grad_h1_chunks = []
     for start in range(0, h1.shape[0], mlp_chunk):
@@ -173,13 +174,13 @@ def block_backward(weights: BlockWeights, x: mx.array, grad_out: mx.array, rope:
         collect(("gate", "up"), gate_up_grads)
         grad_h1_chunks.append(grad_chunk + rms_norm_backward(h1_chunk, weights.post_attention_norm,
                                                              weights.eps, grad_normed))
-        mx.eval(grad_h1_chunks[-1], *evaluated_sums())
+        evaluate(grad_h1_chunks[-1], *evaluated_sums())
     del h1
     grad_h1 = mx.concatenate(grad_h1_chunks, axis=0) if len(grad_h1_chunks) > 1 else grad_h1_chunks[0]
 
     grad_attention_flat, o_grads = linear_group_backward(attention_flat, [lin["o"]], [grad_h1], projection=o_projection)
     collect(("o",), o_grads)
-    mx.eval(grad_attention_flat, *evaluated_sums())
+    evaluate(grad_attention_flat, *evaluated_sums())
     del attention_flat, o_projection
     grad_attention = grad_attention_flat.reshape(batch, seq_len, heads, head_dim).transpose(0, 2, 1, 3)
     grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk)
@@ -194,7 +195,7 @@ def block_backward(weights: BlockWeights, x: mx.array, grad_out: mx.array, rope:
     collect(("q", "k", "v"), qkv_grads)
     grad_x = grad_h1 + rms_norm_backward(flat_x, weights.input_norm, weights.eps, grad_normed)
     sums = evaluated_sums()
-    mx.eval(grad_x, *sums)
+    evaluate(grad_x, *sums)
     # Torch's order (q, k, v, o, gate, up, down), A before B.
     ordered = {f"{LORA_TARGETS[name]}.{part}": grads[f"{LORA_TARGETS[name]}.{part}"][0]
                for name in PROJECTIONS for part in ("lora_a", "lora_b") if f"{LORA_TARGETS[name]}.{part}" in grads}

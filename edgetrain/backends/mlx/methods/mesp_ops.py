@@ -20,6 +20,7 @@ import mlx.nn as nn
 from edgetrain.backends.mlx.model import rms_norm as rms_norm_forward  # noqa: F401 -- mesp.py imports it from here
 from edgetrain.backends.mlx.model import rotate_half
 from edgetrain.backends.mlx.quantize import QuantizedLinear
+from edgetrain.backends.mlx.evaluation import evaluate
 
 
 def compute_dtype(dtype: mx.Dtype) -> mx.Dtype:
@@ -115,7 +116,7 @@ def causal_attention_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.arr
         grad_q_chunks.append(grad_scores @ keys[:, :, :, :stop])
         grad_k = grad_k.at[:, :, :stop].add(mx.sum(grad_scores.swapaxes(-1, -2) @ q_chunk, axis=2))
         # One chunk's [B, H, C, T] temporaries at a time.
-        mx.eval(grad_q_chunks[-1], grad_k, grad_v)
+        evaluate(grad_q_chunks[-1], grad_k, grad_v)
     grad_q = mx.concatenate(grad_q_chunks, axis=3) if len(grad_q_chunks) > 1 else grad_q_chunks[0]
     return (grad_q.reshape(batch, heads, seq_len, head_dim).astype(q.dtype), grad_k.astype(k.dtype),
             grad_v.astype(v.dtype))
