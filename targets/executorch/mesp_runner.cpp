@@ -19,7 +19,8 @@
 // batch, to the same adapters bit for bit. --save writes the trained adapter as edgetrain's adapter file
 // (safetensors, LoRA config and checksum in its metadata), which `edgetrain export-adapter` converts.
 //
-// Prints "step N loss L" per step (L with 9 significant digits: a float32 exactly).
+// Prints "step N loss L" per step (L with 9 significant digits: a float32 exactly), and the time of the
+// first step and of the others (after a first step that pages the weights in).
 // Exit status: 0 done, 1 internal error, 2 usage, 3 a bad, damaged or mismatched input file or batch,
 // 5 a non-finite step.
 #include <executorch/extension/module/module.h>
@@ -29,6 +30,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <map>
@@ -523,12 +525,24 @@ int run(int argc, char** argv) {
   const uint64_t total = steps < 0 ? batches.count : std::min<uint64_t>(static_cast<uint64_t>(steps), batches.count);
   std::printf("program %s: %" PRId64 " blocks, %" PRId64 " adapter weights a block, batches %" PRId64 " x %" PRId64
               ", %" PRIu64 " steps\n", program.c_str(), shape.blocks, shape.adapter_numel, shape.batch, shape.seq, total);
+  double first_seconds = 0, total_seconds = 0;
+  uint64_t timed = 0;
   for (uint64_t step = runner.state().steps_done; step < total; ++step) {
+    const auto started = std::chrono::steady_clock::now();
     const int64_t* ids = reinterpret_cast<const int64_t*>(batches.data.data() + step * batches.batch_bytes);
     const float loss = runner.step(ids, ids + shape.batch * shape.seq, step);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    (timed++ ? total_seconds : first_seconds) += seconds;
     std::printf("step %" PRIu64 " loss %.9g\n", step + 1, loss);
     std::fflush(stdout);
     if (!checkpoint.empty()) edgetrain::atomic_write(checkpoint, checkpoint_bytes(runner.state(), shape));
+  }
+  if (timed > 1) {
+    std::printf("timing: first step %.6f s, then %.6f s a step over %" PRIu64 " steps\n", first_seconds,
+                total_seconds / static_cast<double>(timed - 1), timed - 1);
+  }
+  if (edgetrain::peak_resident_kb() >= 0) {
+    std::printf("memory: peak resident %ld kB (VmHWM)\n", edgetrain::peak_resident_kb());
   }
   if (options.count("--save")) {
     edgetrain::atomic_write(options["--save"], runner.adapter_file());

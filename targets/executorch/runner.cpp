@@ -143,6 +143,9 @@ int run(int argc, char** argv) {
     }
     std::printf("step %" PRIu64 " loss %.9g\n", step + 1, loss);
   }
+  if (edgetrain::peak_resident_kb() >= 0) {
+    std::printf("memory: peak resident %ld kB (VmHWM)\n", edgetrain::peak_resident_kb());
+  }
   if (!save_path.empty()) {
     if (parameters.empty()) throw std::runtime_error("no step was run: nothing to save");
     std::vector<edgetrain::NamedFloats> named;

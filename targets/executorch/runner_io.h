@@ -96,6 +96,17 @@ inline BatchFile read_batch_file(const std::string& path) {
   return file;
 }
 
+// The process's peak resident set in kB (Linux's VmHWM: the kernel's own high-water mark, file pages of the
+// mapped weights included), or -1 where /proc is not there.
+inline long peak_resident_kb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return -1;
+}
+
 inline std::string json_escape(const std::string& text) {
   std::string out;
   for (char c : text) {

@@ -1,0 +1,30 @@
+"""tools/bench_export.py runs its arms side by side and prints the ratios issue 35 asks for (a smoke run on
+`tiny`; the SmolLM2 figures are in docs/export.md)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytest.importorskip("executorch.exir", reason="ExecuTorch not installed: pip install 'edgetrain[export]'")
+
+
+def test_bench_export_smoke(tmp_path, capsys):
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip("building the native runners needs cmake and a C++ compiler")
+    spec = importlib.util.spec_from_file_location("bench_export", REPO / "tools" / "bench_export.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "figures.json"
+    assert bench.main(["--model", "tiny", "--seq", "16", "--steps", "2", "--skip-joint", "--build",
+                       str(tmp_path / "build"), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert set(figures["rows"]) == {"torch mesp", "runner, packed", "runner, fp32"}
+    for row in figures["rows"].values():
+        assert row["peak_mib"] > 0 and row["step_s"] > 0
+    assert all(value > 0 for value in figures["ratios"].values())
+    assert "packed runner step / torch mesp step" in capsys.readouterr().out

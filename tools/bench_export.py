@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""MeSP inside the app, measured: the native runners' peak memory and step time against torch's `mesp`, side by
+side in one run (issue 35's targets). Every arm trains the same model on the same batches in a fresh process:
+
+  torch mesp       Learner(method="mesp", optimizer="adamw") on the model as loaded (a GGUF's blocks packed), in
+                   a fresh interpreter; its peak above that interpreter's own floor with torch and edgetrain
+                   imported (the runtime an app would not carry)
+  runner, packed   edgetrain_mesp_runner on `export --method mesp` of the same model: the process's whole peak
+                   (its runtime included, the mapped weights file's resident pages included)
+  runner, fp32     the same program exported from the dequantised model (the frozen weights dense)
+  joint graph      edgetrain_et_runner on today's `edgetrain export` (one forward-backward program, fp32
+                   weights, SGD); --skip-joint leaves it out (its export of a 30-block model is long)
+
+Peaks are the kernel's high-water mark of each process as it reports it (VmHWM; wait4's ru_maxrss would count
+the forked copy of this process before exec). Step times are the median
+of the steps after the first (which pages the weights in); the runners report their own. The runners run one
+thread; torch runs its default intra-op threads (printed).
+
+  .venv/bin/python tools/bench_export.py --model ~/.cache/edgetrain/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+  .venv/bin/python tools/bench_export.py --model tiny --seq 32 --steps 3            # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+# Runs in the child: argv[1] a JSON of options; prints one JSON line.
+_TORCH_CHILD = """
+import json, statistics, sys, time
+import torch, edgetrain, edgetrain.training.learner
+from edgetrain.probes import linux
+def hwm():
+    return linux._read_kb_field(linux.Path("/proc/self/status"), "VmHWM") or 0
+floor = hwm()
+options = json.loads(sys.argv[1])
+from edgetrain.export import make_trainable, read_batch_file
+model = make_trainable(edgetrain.load_model(options["model"]), "lora", rank=options["rank"])
+if options["layers"]:
+    del model.blocks[options["layers"]:]
+learner = edgetrain.Learner(model, method="mesp", optimizer="adamw", lr=1e-3, probe=False)
+times = []
+for batch in read_batch_file(options["batches"]):
+    start = time.perf_counter()
+    learner.step(batch)
+    times.append(time.perf_counter() - start)
+print(json.dumps({"peak_bytes": hwm(), "floor_bytes": floor, "step_seconds": statistics.median(times[1:]),
+                  "threads": torch.get_num_threads()}))
+"""
+
+
+def run_with_peak(command: Sequence[str], env: dict | None = None) -> tuple[int, str]:
+    """(ru_maxrss in bytes, stdout) of a child. ru_maxrss counts the forked copy of this process before exec,
+    so the figures come from what each child reports of itself (VmHWM), not from this."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(list(command), stdout=out, stderr=err, text=True, env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if process.returncode != 0:
+            raise SystemExit(f"{' '.join(map(str, command[:3]))} failed ({process.returncode}): {err.read()[-2000:]}")
+        return usage.ru_maxrss * 1024, out.read()
+
+
+def runner_peak_bytes(output: str) -> int:
+    match = re.search(r"memory: peak resident (\d+) kB", output)
+    if match is None:
+        raise SystemExit(f"the runner printed no peak (not Linux?):\n{output[-500:]}")
+    return int(match.group(1)) * 1024
+
+
+def runner_step_seconds(output: str) -> float:
+    match = re.search(r"then ([0-9.]+) s a step", output)
+    if match is None:
+        raise SystemExit(f"the runner printed no timing (needs at least 2 steps):\n{output[-500:]}")
+    return float(match.group(1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a GGUF file or a preset")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="steps per arm (the first is not timed)")
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N blocks (every arm alike)")
+    parser.add_argument("--skip-joint", action="store_true", help="leave out the joint-graph export")
+    parser.add_argument("--build", default=str(REPO / "build" / "native"), help="where the runners are built")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step is not timed)")
+
+    import torch
+
+    import edgetrain
+    from edgetrain.cli.export_stream import batch_stream
+    from edgetrain.export import export_training, make_trainable, write_batch_file
+    from edgetrain.export.mesp_program import export_mesp_program
+    from edgetrain.export.native import MESP_RUNNER, RUNNER, build_runner
+
+    mesp_runner = build_runner(args.build, target=MESP_RUNNER)
+    joint_runner = None if args.skip_joint else build_runner(args.build, target=RUNNER)
+    work = Path(tempfile.mkdtemp(prefix="bench-export-"))
+
+    def lora_model(**options):
+        torch.manual_seed(0)
+        model = make_trainable(edgetrain.load_model(args.model, **options), "lora", rank=args.rank)
+        if args.layers:
+            del model.blocks[args.layers:]
+        return model
+
+    model = lora_model()
+    stream_args = argparse.Namespace(data=None, batch=args.batch, seed=0, seq=args.seq)
+    batches = list(itertools.islice(batch_stream(model, stream_args), args.steps))
+    batch_file = write_batch_file(work / "batches.bin", batches)
+    print(f"model {args.model} ({len(model.blocks)} blocks, LoRA r{args.rank}), seq {args.seq} x batch {args.batch}, "
+          f"{args.steps} steps an arm", flush=True)
+
+    rows = {}
+    torch_peak, torch_out = run_with_peak([sys.executable, "-c", _TORCH_CHILD, json.dumps(
+        {"model": args.model, "rank": args.rank, "layers": args.layers, "batches": str(batch_file)})])
+    torch_result = json.loads(torch_out.strip().splitlines()[-1])
+    rows["torch mesp"] = {"peak_mib": (torch_result["peak_bytes"] - torch_result["floor_bytes"]) / MIB,
+                          "step_s": torch_result["step_seconds"], "note": f"above its import floor "
+                          f"({torch_result['floor_bytes'] / MIB:.0f} MiB), {torch_result['threads']} threads"}
+
+    programs = {"runner, packed": export_mesp_program(model, args.batch, args.seq, work / "packed.pte")[0]}
+    del model
+    programs["runner, fp32"] = export_mesp_program(lora_model(quantized=False), args.batch, args.seq,
+                                                   work / "fp32.pte")[0]
+    for name, program in programs.items():
+        _, output = run_with_peak([str(mesp_runner), str(program), str(batch_file)])
+        rows[name] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": runner_step_seconds(output), "note": "whole process, 1 thread"}
+        print(f"{name}: {rows[name]['peak_mib']:.0f} MiB, {rows[name]['step_s']:.3f} s/step", flush=True)
+    if joint_runner is not None:
+        joint_model = lora_model(quantized=False)
+        joint = export_training(joint_model, batches[0], "executorch", work / "joint.pte")
+        del joint_model
+        _, output = run_with_peak([str(joint_runner), str(joint), str(batch_file), "--lr", "1e-3"])
+        rows["joint graph"] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": None, "note": "whole process, SGD"}
+
+    print(f"\n{'arm':<16} {'peak MiB':>9} {'s/step':>8}  note")
+    for name, row in rows.items():
+        step = "" if row["step_s"] is None else f"{row['step_s']:.3f}"
+        print(f"{name:<16} {row['peak_mib']:>9.1f} {step:>8}  {row['note']}")
+    packed, reference = rows["runner, packed"], rows["torch mesp"]
+    ratios = {"packed runner peak / torch mesp peak above its floor": packed["peak_mib"] / reference["peak_mib"],
+              "packed runner step / torch mesp step": packed["step_s"] / reference["step_s"]}
+    if "joint graph" in rows:
+        ratios["packed runner peak / joint graph peak"] = packed["peak_mib"] / rows["joint graph"]["peak_mib"]
+    print()
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
