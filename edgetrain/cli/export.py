@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
 
     import edgetrain
     from edgetrain.cli.export_stream import batch_stream
-    from edgetrain.export import (default_part, export_training, load_trainer, make_trainable,
+    from edgetrain.export import (RUNTIMES, default_part, export_training, load_trainer, make_trainable,
                                   torch_sgd_trajectory, write_batch_file)
 
     if args.merge:
@@ -82,8 +82,9 @@ def main(args: argparse.Namespace) -> int:
         args.lr = 1e-3 if args.lr is None else args.lr
         return write_mesp_program(args)
     args.lr = 0.05 if args.lr is None else args.lr
-    if args.runtime == "mlx":
-        raise edgetrain.EdgetrainError("--runtime mlx writes MeSP's step (--method mesp); MLX has no joint program")
+    if args.runtime not in RUNTIMES:
+        raise edgetrain.EdgetrainError(f"--runtime {args.runtime} writes MeSP's step (--method mesp); it has no "
+                                       "joint forward-backward program")
     if args.quantize_bits is not None:
         raise edgetrain.EdgetrainError("--quantize-bits is for --method mesp (the joint program holds fp32 weights)")
     torch.manual_seed(args.seed)

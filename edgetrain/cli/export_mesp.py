@@ -11,26 +11,34 @@ import copy
 import itertools
 import json
 import sys
+from typing import TYPE_CHECKING, Callable
+
+from edgetrain.registry import Registry
+
+if TYPE_CHECKING:
+    from edgetrain.export.mesp_program import AdamWSettings
 
 
 def write_mesp_program(args: argparse.Namespace) -> int:
+    from edgetrain.export.mesp_program import AdamWSettings
+    from edgetrain.export.trainable import ExportError
+    from edgetrain.training.schedules import check_learning_rate
+
+    writer = MESP_WRITERS.get(args.runtime)  # an unknown runtime: an error naming the known ones
+    if args.trainable not in (None, "lora"):
+        raise ExportError("--method mesp trains LoRA adapters (--trainable lora)")
+    return writer(args, AdamWSettings(lr=check_learning_rate(args.lr)))
+
+
+def write_executorch_program(args: argparse.Namespace, optimizer: AdamWSettings) -> int:
+    """--runtime executorch: the .pte of five methods and its weights file, checked against torch's mesp."""
     import torch
 
     import edgetrain
     from edgetrain.export import make_trainable, write_batch_file
-    from edgetrain.export.mesp_program import (AdamWSettings, MeSPProgramTrainer, export_mesp_program,
-                                               mesp_reference)
+    from edgetrain.export.mesp_program import MeSPProgramTrainer, export_mesp_program, mesp_reference
     from edgetrain.export.trainable import ExportError
-    from edgetrain.training.schedules import check_learning_rate
 
-    if args.runtime not in ("executorch", "mlx"):
-        raise ExportError(f"--method mesp writes ExecuTorch programs or MLX functions; --runtime {args.runtime} "
-                          "is not supported")
-    if args.trainable not in (None, "lora"):
-        raise ExportError("--method mesp trains LoRA adapters (--trainable lora)")
-    optimizer = AdamWSettings(lr=check_learning_rate(args.lr))
-    if args.runtime == "mlx":
-        return write_mlx_functions(args, optimizer)
     torch.manual_seed(args.seed)
     model = edgetrain.load_model(args.model, quantize_bits=args.quantize_bits)
     if getattr(model, "task", None) != "lm":
@@ -71,7 +79,7 @@ def write_mesp_program(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_mlx_functions(args: argparse.Namespace, optimizer) -> int:
+def write_mlx_functions(args: argparse.Namespace, optimizer: AdamWSettings) -> int:
     """--runtime mlx: the same step as MLX exported functions (edgetrain/export/mlx_program.py), checked against
     MLX's own mesp learner with --check."""
     import mlx.core as mx
@@ -114,3 +122,9 @@ def write_mlx_functions(args: argparse.Namespace, optimizer) -> int:
         print("edgetrain export: the MLX functions differ from MLX's mesp by more than 1e-5", file=sys.stderr)
         return 1
     return 0
+
+
+# --runtime -> the writer of MeSP's step for it.
+MESP_WRITERS: Registry[Callable[[argparse.Namespace, "AdamWSettings"], int]] = Registry("MeSP export runtime")
+MESP_WRITERS.add("executorch", write_executorch_program)
+MESP_WRITERS.add("mlx", write_mlx_functions)
