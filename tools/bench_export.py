@@ -5,8 +5,10 @@ side in one run (issue 35's targets). Every arm trains the same model on the sam
   torch mesp       Learner(method="mesp", optimizer="adamw") on the model as loaded (a GGUF's blocks packed), in
                    a fresh interpreter; its peak above that interpreter's own floor with torch and edgetrain
                    imported (the runtime an app would not carry)
-  runner, packed   edgetrain_mesp_runner on `export --method mesp` of the same model: the process's whole peak
-                   (its runtime included, the mapped weights file's resident pages included)
+  runner, packed   edgetrain_mesp_runner on `export --method mesp` of the same model (its matrix products on
+                   XNNPACK, the default): the process's whole peak (its runtime included, the mapped weights
+                   file's resident pages included)
+  packed, no XNNPACK  the same, `--delegate none`: the products on ExecuTorch's own CPU kernels
   runner, fp32     the same program exported from the dequantised model (the frozen weights dense)
   joint graph      edgetrain_et_runner on today's `edgetrain export` (one forward-backward program, fp32
                    weights, SGD); --skip-joint leaves it out (its export of a 30-block model is long)
@@ -136,7 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "step_s": torch_result["step_seconds"], "note": f"above its import floor "
                           f"({torch_result['floor_bytes'] / MIB:.0f} MiB), {torch_result['threads']} threads"}
 
-    programs = {"runner, packed": export_mesp_program(model, args.batch, args.seq, work / "packed.pte")[0]}
+    programs = {"runner, packed": export_mesp_program(model, args.batch, args.seq, work / "packed.pte")[0],
+                "packed, no XNNPACK": export_mesp_program(model, args.batch, args.seq, work / "packed-plain.pte",
+                                                          delegate="none")[0]}
     del model
     programs["runner, fp32"] = export_mesp_program(lora_model(quantized=False), args.batch, args.seq,
                                                    work / "fp32.pte")[0]
@@ -151,10 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, output = run_with_peak([str(joint_runner), str(joint), str(batch_file), "--lr", "1e-3"])
         rows["joint graph"] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": None, "note": "whole process, SGD"}
 
-    print(f"\n{'arm':<16} {'peak MiB':>9} {'s/step':>8}  note")
+    print(f"\n{'arm':<19} {'peak MiB':>9} {'s/step':>8}  note")
     for name, row in rows.items():
         step = "" if row["step_s"] is None else f"{row['step_s']:.3f}"
-        print(f"{name:<16} {row['peak_mib']:>9.1f} {step:>8}  {row['note']}")
+        print(f"{name:<19} {row['peak_mib']:>9.1f} {step:>8}  {row['note']}")
     packed, reference = rows["runner, packed"], rows["torch mesp"]
     ratios = {"packed runner peak / torch mesp peak above its floor": packed["peak_mib"] / reference["peak_mib"],
               "packed runner step / torch mesp step": packed["step_s"] / reference["step_s"]}

@@ -49,7 +49,7 @@ def write_executorch_program(args: argparse.Namespace, optimizer: AdamWSettings)
         load_adapter(model, args.adapter)
     make_trainable(model, "lora", rank=args.rank)
     reference = copy.deepcopy(model) if args.check else None
-    program, weights = export_mesp_program(model, args.batch, args.seq, args.out)
+    program, weights = export_mesp_program(model, args.batch, args.seq, args.out, delegate=args.delegate)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"wrote {program} and {weights} (mesp, {len(model.blocks)} blocks of {args.model}: {trainable:,} LoRA "
           f"weights; batches of {args.batch} x {args.seq} tokens)")

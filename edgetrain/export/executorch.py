@@ -17,11 +17,13 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from edgetrain.registry import Registry
 from edgetrain.training.checkpoint import atomic_write_bytes
 from edgetrain.data.batch import Batch
 from edgetrain.export.trainable import (BatchSignature, ExportError, LossModule, require, strip_prefix,
@@ -188,13 +190,32 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
     return data
 
 
-def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple]) -> bytes:
+def _xnnpack_products() -> list:
+    """XNNPACK for the matrix products alone, their weights being program inputs: by default its GEMM configs
+    take a weight only when it is a constant, and a whole-graph partition refuses MeSP's pass-through outputs."""
+    from executorch.backends.xnnpack.partition.config.gemm_configs import AddmmConfig, LinearConfig, MMConfig
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    return [XnnpackPartitioner(configs=[AddmmConfig, MMConfig, LinearConfig], per_op_mode=True,
+                               force_non_static_weights_for_f32_linear=True)]
+
+
+# --delegate name -> the partitioners its products are lowered with ("none": ExecuTorch's own CPU kernels).
+DELEGATES: Registry[Callable[[], list]] = Registry("ExecuTorch delegate")
+DELEGATES.add("xnnpack", _xnnpack_products)
+DELEGATES.add("none", list)
+
+
+def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple], delegate: str = "xnnpack") -> bytes:
     """One ExecuTorch program whose methods are the forward graphs of `modules` (name -> module), each traced
-    for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step). Inference graphs:
-    no joint forward-backward, so nothing here is experimental beyond the program format."""
+    for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step), their matrix products
+    delegated as DELEGATES names. Inference graphs: no joint forward-backward, so nothing here is experimental
+    beyond the program format."""
     _require_executorch()
-    from executorch.exir import EdgeCompileConfig, to_edge
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from torch._export.verifier import SpecViolationError
+
+    partitioners = DELEGATES.get(delegate)()
 
     exported = {}
     with warnings.catch_warnings(), torch.no_grad():
@@ -212,7 +233,8 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
             # linear is not Core ATen, but the runtime's optimized kernels have it (see above).
             config = EdgeCompileConfig(_core_aten_ops_exception_list=[torch.ops.aten.linear.default],
                                        preserve_ops=[torch.ops.aten.linear.default])
-            program = to_edge(exported, compile_config=config).to_executorch()
+            program = to_edge_transform_and_lower(exported, partitioner=partitioners or None,
+                                                  compile_config=config).to_executorch()
         except SpecViolationError as exc:
             raise ExportError(f"ExecuTorch cannot lower this program: {_first_line_naming_operator(str(exc))}") from exc
     _check_runtime_has_kernels(program)

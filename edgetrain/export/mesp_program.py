@@ -182,16 +182,19 @@ def _text(text: str) -> torch.Tensor:
 
 
 def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: str | Path,
-                        config: MeSPConfig | None = None) -> tuple[Path, Path]:
+                        config: MeSPConfig | None = None, delegate: str = "xnnpack") -> tuple[Path, Path]:
     """Write the MeSP training program of `model` (a decoder with LoRA adapters, its frozen base dense or
     packed as loaded) for batches of `batch_size` x `seq_len` tokens to `out` (.pte), and its weights file
-    beside it (weights_path_for). Returns both paths. Nothing is written unless both can be."""
-    from edgetrain.export.executorch import lower_methods
+    beside it (weights_path_for). Returns both paths. Nothing is written unless both can be. `delegate` lowers
+    the matrix products to XNNPACK ("xnnpack", the default) or leaves them to ExecuTorch's CPU kernels
+    ("none"; edgetrain.export.executorch.DELEGATES)."""
+    from edgetrain.export.executorch import DELEGATES, lower_methods
 
     if not (isinstance(batch_size, int) and batch_size >= 1 and isinstance(seq_len, int) and seq_len >= 1):
         raise ExportError(f"batch size and sequence length must be positive integers, got {batch_size!r}, "
                           f"{seq_len!r}")
     config = config or MeSPConfig()
+    DELEGATES.get(delegate)  # an unknown name fails here, not after minutes of lowering
     out = ensure_writable_target(out, "the program")
     ensure_writable_target(weights_path_for(out), "the program's weights file")
     _check_model(model)
@@ -216,7 +219,7 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
               "adamw": AdamWPiece()}
     examples = _example_inputs(shape, (cos, sin), frozen[0], embed_tensors,
                                [model.head.norm.weight.detach(), *head_tensors], adapters[0])
-    program = lower_methods(pieces, examples)
+    program = lower_methods(pieces, examples, delegate)
     program_crc = zlib.crc32(program)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -253,7 +256,7 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
                                             shape.hidden, shape.adapter_numel, program_crc], dtype=torch.long)
     assert meta_index == 0
     manifest = {"format": "edgetrain-mesp-program", "version": FORMAT_VERSION, "program_crc32": program_crc,
-                "methods": list(METHODS), "shape": shape.__dict__, "tied_head": tied,
+                "methods": list(METHODS), "shape": shape.__dict__, "tied_head": tied, "delegate": delegate,
                 "model": {"model_type": model_config.model_type, "layers": shape.blocks,
                           "hidden_size": shape.hidden, "vocab_size": shape.vocab},
                 "embed": embed_format.to_json(), "head": head_format.to_json(),

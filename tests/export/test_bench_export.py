@@ -23,7 +23,7 @@ def test_bench_export_smoke(tmp_path, capsys):
     assert bench.main(["--model", "tiny", "--seq", "16", "--steps", "2", "--skip-joint", "--build",
                        str(tmp_path / "build"), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
-    assert set(figures["rows"]) == {"torch mesp", "runner, packed", "runner, fp32"}
+    assert set(figures["rows"]) == {"torch mesp", "runner, packed", "packed, no XNNPACK", "runner, fp32"}
     for row in figures["rows"].values():
         assert row["peak_mib"] > 0 and row["step_s"] > 0
     assert all(value > 0 for value in figures["ratios"].values())

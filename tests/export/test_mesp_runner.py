@@ -41,7 +41,7 @@ def exported(tmp_path_factory):
     torch.manual_seed(0)
     model = make_trainable(edgetrain.load_model("tiny", quantize_bits=4), "lora", rank=4)
     reference = copy.deepcopy(model)
-    program, weights = export_mesp_program(model, 2, 16, directory / "tiny.pte")
+    program, weights = export_mesp_program(model, 2, 16, directory / "tiny.pte")  # products on XNNPACK
     batches = list(itertools.islice(make_stream("text", batch_size=2, seq_len=16, vocab_size=256), STEPS))
     batch_file = write_batch_file(directory / "batches.bin", batches)
     return program, weights, batch_file, batches, reference
@@ -49,6 +49,9 @@ def exported(tmp_path_factory):
 
 def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, exported, tmp_path):
     program, weights, batch_file, batches, reference = exported
+    from edgetrain.export.weights_file import WeightsFile
+
+    assert WeightsFile(weights).manifest["delegate"] == "xnnpack"
     native = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "adapter.safetensors")
     replay = MeSPProgramTrainer(program, weights, AdamWSettings(lr=LR))
     replay_losses = [replay.step(batch) for batch in batches]
