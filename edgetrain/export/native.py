@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 RUNNER = "edgetrain_et_runner"
 MESP_RUNNER = "edgetrain_mesp_runner"
 # edgetrain_mesp_runner's exit statuses other than 0 (see targets/executorch/mesp_runner.cpp).
-MESP_EXIT_STATUS = {1: "internal error", 2: "usage", 3: "a bad, damaged or mismatched input", 5: "a non-finite step"}
+MESP_EXIT_STATUS = {1: "internal error", 2: "usage", 3: "a bad, damaged or mismatched input",
+                    4: "an output that cannot be written", 5: "a non-finite step"}
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
 
 

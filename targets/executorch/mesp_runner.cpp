@@ -22,7 +22,7 @@
 // Prints "step N loss L" per step (L with 9 significant digits: a float32 exactly), and the time of the
 // first step and of the others (after a first step that pages the weights in).
 // Exit status: 0 done, 1 internal error, 2 usage, 3 a bad, damaged or mismatched input file or batch,
-// 5 a non-finite step.
+// 4 an output that cannot be written (checked before training), 5 a non-finite step.
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/runtime.h>
@@ -507,6 +507,8 @@ int run(int argc, char** argv) {
               ".weights";
   }
 
+  if (options.count("--save")) edgetrain::check_writable(options["--save"], "the adapter");
+  if (options.count("--checkpoint")) edgetrain::check_writable(options["--checkpoint"], "the checkpoint");
   executorch::runtime::runtime_init();
   edgetrain::BatchFile batches = edgetrain::read_batch_file(positional[1]);
   MeSPRunner runner(program, weights, adamw);
@@ -559,6 +561,9 @@ int main(int argc, char** argv) {
   } catch (const InputError& error) {
     std::fprintf(stderr, "edgetrain_mesp_runner: error: %s\n", error.what());
     return 3;
+  } catch (const edgetrain::OutputError& error) {
+    std::fprintf(stderr, "edgetrain_mesp_runner: error: %s\n", error.what());
+    return 4;
   } catch (const NonFinite& error) {
     std::fprintf(stderr, "edgetrain_mesp_runner: error: %s; nothing was changed\n", error.what());
     return 5;

@@ -24,6 +24,11 @@ struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An output that cannot be written (a missing or read-only directory, a full disk): exit status 4.
+struct OutputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct TensorSpec {
   executorch::aten::ScalarType type;
   std::vector<int64_t> dims;
@@ -121,18 +126,26 @@ inline std::string json_escape(const std::string& text) {
 inline void atomic_write(const std::string& path, const std::string& bytes) {
   const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno));
+  if (fd < 0) throw OutputError("cannot write " + tmp + ": " + std::strerror(errno));
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0) {
+      const std::string reason = std::strerror(errno);
       ::close(fd);
-      throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno));
+      ::unlink(tmp.c_str());
+      throw OutputError("cannot write " + tmp + ": " + reason);
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) throw std::runtime_error("cannot flush " + tmp);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp + " to " + path);
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    throw OutputError("cannot flush " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    throw OutputError("cannot rename " + tmp + " to " + path);
+  }
   const size_t slash = path.find_last_of('/');
   const std::string directory = slash == std::string::npos ? "." : path.substr(0, slash + 1);
   const int dir = ::open(directory.c_str(), O_RDONLY);
@@ -140,6 +153,15 @@ inline void atomic_write(const std::string& path, const std::string& bytes) {
     ::fsync(dir);
     ::close(dir);
   }
+}
+
+// Fail before any work when `path` could not be written later: its temporary is created and removed again.
+inline void check_writable(const std::string& path, const std::string& what) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw OutputError("cannot write " + what + " " + path + ": " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(tmp.c_str());
 }
 
 struct NamedFloats {

@@ -143,3 +143,15 @@ def test_bad_inputs_exit_3_naming_the_file_and_write_nothing(runner, exported, t
     assert checkpoint.read_bytes() == before  # a refused run leaves the checkpoint as it was
     usage = run_mesp_runner(runner, program, batch_file, lr=float("nan"), check=False)
     assert usage.returncode == 2 and "--lr" in usage.error
+    unwritable = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "no-such-dir" / "a.safetensors",
+                                 check=False)
+    assert unwritable.returncode == 4 and "no-such-dir" in unwritable.error and unwritable.losses == []
+
+
+def test_a_checkpoint_of_another_program_is_refused(runner, exported, tmp_path):
+    program, _, batch_file, _, reference = exported
+    other, _ = export_mesp_program(copy.deepcopy(reference), 2, 16, tmp_path / "other.pte", delegate="none")
+    checkpoint = tmp_path / "state.ckpt"
+    run_mesp_runner(runner, other, batch_file, lr=LR, steps=1, checkpoint=checkpoint)
+    result = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=checkpoint, check=False)
+    assert result.returncode == 3 and "a checkpoint of another program" in result.error
