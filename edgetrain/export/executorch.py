@@ -206,16 +206,19 @@ DELEGATES.add("xnnpack", _xnnpack_products)
 DELEGATES.add("none", list)
 
 
-def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple], delegate: str = "xnnpack") -> bytes:
+def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple], delegate: str = "xnnpack",
+                  delegated: tuple[str, ...] | None = None) -> bytes:
     """One ExecuTorch program whose methods are the forward graphs of `modules` (name -> module), each traced
-    for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step), their matrix products
-    delegated as DELEGATES names. Inference graphs: no joint forward-backward, so nothing here is experimental
-    beyond the program format."""
+    for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step), the matrix products of
+    the methods named in `delegated` (all by default) lowered as DELEGATES names. Inference graphs: no joint
+    forward-backward, so nothing here is experimental beyond the program format."""
     _require_executorch()
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from torch._export.verifier import SpecViolationError
 
-    partitioners = DELEGATES.get(delegate)()
+    make_partitioners = DELEGATES.get(delegate)
+    partitioners = {name: make_partitioners() if delegated is None or name in delegated else []
+                    for name in modules}
 
     exported = {}
     with warnings.catch_warnings(), torch.no_grad():
@@ -233,7 +236,7 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
             # linear is not Core ATen, but the runtime's optimized kernels have it (see above).
             config = EdgeCompileConfig(_core_aten_ops_exception_list=[torch.ops.aten.linear.default],
                                        preserve_ops=[torch.ops.aten.linear.default])
-            program = to_edge_transform_and_lower(exported, partitioner=partitioners or None,
+            program = to_edge_transform_and_lower(exported, partitioner=partitioners,
                                                   compile_config=config).to_executorch()
         except SpecViolationError as exc:
             raise ExportError(f"ExecuTorch cannot lower this program: {_first_line_naming_operator(str(exc))}") from exc

@@ -62,11 +62,15 @@ def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, exported,
     torch_losses, torch_adapters = mesp_reference(copy.deepcopy(reference), batches, AdamWSettings(lr=LR))
     assert max(abs(a - b) for a, b in zip(native.losses, torch_losses)) <= 1e-5
     assert max(float((native.adapter[n] - t).abs().max()) for n, t in torch_adapters.items()) <= 1e-5
-    # The adapter file is edgetrain's: it loads into the model and converts (here to PEFT).
+    # The adapter file is edgetrain's: `export-adapter` converts it (here to PEFT) and the PEFT directory loads
+    # into the model with the runner's weights.
     from edgetrain.adapters.convert import load_adapter
+    from edgetrain.cli import main
 
+    assert main(["export-adapter", "--adapter", str(tmp_path / "adapter.safetensors"), "--format", "peft",
+                 "-o", str(tmp_path / "peft"), "-q"]) == 0
     model = copy.deepcopy(reference)
-    load_adapter(model, tmp_path / "adapter.safetensors")
+    load_adapter(model, tmp_path / "peft")
     assert torch.equal(dict(model.named_parameters())["blocks.3.mlp.down_proj.lora_B"],
                        native.adapter["blocks.3.mlp.down_proj.lora_B"])
 
