@@ -15,8 +15,8 @@ side in one run (issue 35's targets). Every arm trains the same model on the sam
 
 Peaks are the kernel's high-water mark of each process as it reports it (VmHWM; wait4's ru_maxrss would count
 the forked copy of this process before exec). Step times are the median
-of the steps after the first (which pages the weights in); the runners report their own. The runners run one
-thread; torch runs its default intra-op threads (printed).
+of the steps after the first (which pages the weights in); the runners report their own. torch runs its
+default intra-op threads (printed); the runners run ExecuTorch's kernels on one thread and XNNPACK on its pool.
 
   .venv/bin/python tools/bench_export.py --model ~/.cache/edgetrain/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
   .venv/bin/python tools/bench_export.py --model tiny --seq 32 --steps 3            # a quick look
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                    work / "fp32.pte")[0]
     for name, program in programs.items():
         _, output = run_with_peak([str(mesp_runner), str(program), str(batch_file)])
-        rows[name] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": runner_step_seconds(output), "note": "whole process, 1 thread"}
+        rows[name] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": runner_step_seconds(output), "note": "whole process"}
         print(f"{name}: {rows[name]['peak_mib']:.0f} MiB, {rows[name]['step_s']:.3f} s/step", flush=True)
     if joint_runner is not None:
         joint_model = lora_model(quantized=False)
