@@ -231,7 +231,8 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
         tensors[name] = tensor.contiguous()
         return len(tensors) - 1
 
-    meta_index = add("program.meta", torch.zeros(8, dtype=torch.long))  # filled below, once indices exist
+    add("program.meta", torch.tensor([FORMAT_VERSION, shape.blocks, shape.batch, shape.seq, shape.vocab,
+                                      shape.hidden, shape.adapter_numel, program_crc], dtype=torch.long))
     add("rope.cos", cos)
     add("rope.sin", sin)
     embed_indices = [add(f"embed.{part}", t) for part, t in zip(embed_format.parts, embed_tensors)]
@@ -255,9 +256,6 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
     add("inputs.head", torch.tensor(head_indices, dtype=torch.long))
     for i, indices in enumerate(block_indices):
         add(f"inputs.block.{i}", torch.tensor(indices, dtype=torch.long))
-    tensors["program.meta"] = torch.tensor([FORMAT_VERSION, shape.blocks, shape.batch, shape.seq, shape.vocab,
-                                            shape.hidden, shape.adapter_numel, program_crc], dtype=torch.long)
-    assert meta_index == 0
     manifest = {"format": "edgetrain-mesp-program", "version": FORMAT_VERSION, "program_crc32": program_crc,
                 "methods": list(METHODS), "shape": shape.__dict__, "tied_head": tied, "delegate": delegate,
                 "model": {"model_type": model_config.model_type, "layers": shape.blocks,
