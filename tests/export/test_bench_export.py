@@ -1,5 +1,5 @@
 """tools/bench_export.py runs its arms side by side and prints the ratios issue 35 asks for (a smoke run on
-`tiny`; the SmolLM2 figures are in docs/export.md)."""
+`tiny`, slow lane; the SmolLM2 figures are in docs/export.md)."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # three exports, two with XNNPACK: about 90 s
 REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("executorch.exir", reason="ExecuTorch not installed: pip install 'edgetrain[export]'")
 
