@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import re
 import subprocess
 import sys
@@ -61,18 +60,13 @@ print(json.dumps({"peak_bytes": hwm(), "floor_bytes": floor, "step_seconds": sta
 """
 
 
-def run_with_peak(command: Sequence[str], env: dict | None = None) -> tuple[int, str]:
-    """(ru_maxrss in bytes, stdout) of a child. ru_maxrss counts the forked copy of this process before exec,
-    so the figures come from what each child reports of itself (VmHWM), not from this."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(list(command), stdout=out, stderr=err, text=True, env={**os.environ, **(env or {})})
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        if process.returncode != 0:
-            raise SystemExit(f"{' '.join(map(str, command[:3]))} failed ({process.returncode}): {err.read()[-2000:]}")
-        return usage.ru_maxrss * 1024, out.read()
+def run(command: Sequence[str]) -> str:
+    """The stdout of a child that must succeed. Its peak comes from what it reports of itself (VmHWM): wait4's
+    ru_maxrss would count the forked copy of this process before exec."""
+    done = subprocess.run(list(command), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, command[:3]))} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout
 
 
 def runner_peak_bytes(output: str) -> int:
@@ -131,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.steps} steps an arm", flush=True)
 
     rows = {}
-    torch_peak, torch_out = run_with_peak([sys.executable, "-c", _TORCH_CHILD, json.dumps(
+    torch_out = run([sys.executable, "-c", _TORCH_CHILD, json.dumps(
         {"model": args.model, "rank": args.rank, "layers": args.layers, "batches": str(batch_file)})])
     torch_result = json.loads(torch_out.strip().splitlines()[-1])
     rows["torch mesp"] = {"peak_mib": (torch_result["peak_bytes"] - torch_result["floor_bytes"]) / MIB,
@@ -145,14 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     programs["runner, fp32"] = export_mesp_program(lora_model(quantized=False), args.batch, args.seq,
                                                    work / "fp32.pte")[0]
     for name, program in programs.items():
-        _, output = run_with_peak([str(mesp_runner), str(program), str(batch_file)])
+        output = run([str(mesp_runner), str(program), str(batch_file)])
         rows[name] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": runner_step_seconds(output), "note": "whole process"}
         print(f"{name}: {rows[name]['peak_mib']:.0f} MiB, {rows[name]['step_s']:.3f} s/step", flush=True)
     if joint_runner is not None:
         joint_model = lora_model(quantized=False)
         joint = export_training(joint_model, batches[0], "executorch", work / "joint.pte")
         del joint_model
-        _, output = run_with_peak([str(joint_runner), str(joint), str(batch_file), "--lr", "1e-3"])
+        output = run([str(joint_runner), str(joint), str(batch_file), "--lr", "1e-3"])
         rows["joint graph"] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": None, "note": "whole process, SGD"}
 
     print(f"\n{'arm':<19} {'peak MiB':>9} {'s/step':>8}  note")

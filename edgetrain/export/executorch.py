@@ -41,94 +41,89 @@ def _require_executorch() -> None:
                       f"found {version}; its training APIs are experimental and change between releases")
 
 
-def _replace_empty_permuted(graph_module: torch.fx.GraphModule) -> int:
-    """aten.empty_permuted (emitted by SiLU's backward decomposition) is not in the Core ATen opset
-    that ExecuTorch lowers; rewrite it as empty in the physical order + permute back (same values)."""
-    aten = torch.ops.aten
+# A rewrite of one node: given the node and `add(target, args, kwargs=None)` (a new node before it, with its
+# metadata), the node that replaces it, or None to leave it.
+NodeRewrite = Callable[[torch.fx.Node, Callable[..., torch.fx.Node]], "torch.fx.Node | None"]
+
+
+def _rewrite_nodes(graph_module: torch.fx.GraphModule, target: object, rewrite: NodeRewrite) -> int:
+    """Apply `rewrite` to every call of `target`; inputs left without users (and without side effects) go too.
+    Returns how many nodes were replaced."""
     graph = graph_module.graph
     replaced = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != aten.empty_permuted.default:
+        if node.op != "call_function" or node.target != target:
             continue
-        size, physical_layout = node.args[0], node.args[1]
-        physical = [size[i] for i in physical_layout]
-        inverse = [0] * len(physical_layout)
-        for position, dim in enumerate(physical_layout):
-            inverse[dim] = position
+
+        def add(op: object, args: tuple, kwargs: dict | None = None, node: torch.fx.Node = node) -> torch.fx.Node:
+            created = graph.call_function(op, args, kwargs or {})
+            created.meta = dict(node.meta)
+            return created
+
         with graph.inserting_before(node):
-            empty = graph.call_function(aten.empty.memory_format, (physical,),
-                                        {k: v for k, v in node.kwargs.items() if k != "memory_format"})
-            empty.meta = dict(node.meta)
-            replacement = empty
-            if inverse != list(range(len(inverse))):
-                replacement = graph.call_function(aten.permute.default, (empty, inverse))
-                replacement.meta = dict(node.meta)
+            replacement = rewrite(node, add)
+        if replacement is None:
+            continue
+        inputs = node.all_input_nodes
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
+        for dead in inputs:
+            if dead.op == "call_function" and not dead.users and not dead.is_impure():
+                graph.erase_node(dead)
         replaced += 1
     if replaced:
         graph.lint()
         graph_module.recompile()
     return replaced
+
+
+def _empty_then_permute(node: torch.fx.Node, add: Callable[..., torch.fx.Node]) -> torch.fx.Node:
+    size, physical_layout = node.args[0], node.args[1]
+    inverse = [0] * len(physical_layout)
+    for position, dim in enumerate(physical_layout):
+        inverse[dim] = position
+    empty = add(torch.ops.aten.empty.memory_format, ([size[i] for i in physical_layout],),
+                {k: v for k, v in node.kwargs.items() if k != "memory_format"})
+    return empty if inverse == list(range(len(inverse))) else add(torch.ops.aten.permute.default, (empty, inverse))
+
+
+def _replace_empty_permuted(graph_module: torch.fx.GraphModule) -> int:
+    """aten.empty_permuted (emitted by SiLU's backward decomposition) is not in the Core ATen opset
+    that ExecuTorch lowers; rewrite it as empty in the physical order + permute back (same values)."""
+    return _rewrite_nodes(graph_module, torch.ops.aten.empty_permuted.default, _empty_then_permute)
+
+
+def _mm_plus_bias(node: torch.fx.Node, add: Callable[..., torch.fx.Node]) -> torch.fx.Node:
+    aten = torch.ops.aten
+    bias, left, right = node.args[:3]
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    product = add(aten.mm.default, (left, right))
+    if alpha != 1:
+        product = add(aten.mul.Scalar, (product, alpha))
+    if beta != 1:
+        bias = add(aten.mul.Scalar, (bias, beta))
+    return add(aten.add.Tensor, (bias, product))
 
 
 def _split_addmm(graph_module: torch.fx.GraphModule) -> int:
     """Rewrite aten.addmm(bias, a, b, beta, alpha) as beta * bias + alpha * mm(a, b): ExecuTorch's optimized
     CPU kernels have mm (a BLAS-style GEMM) but no addmm, whose portable kernel is a plain triple loop."""
-    aten = torch.ops.aten
-    graph = graph_module.graph
-    replaced = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != aten.addmm.default:
-            continue
-        bias, left, right = node.args[:3]
-        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-        with graph.inserting_before(node):
-            product = graph.call_function(aten.mm.default, (left, right))
-            product.meta = dict(node.meta)
-            if alpha != 1:
-                product = graph.call_function(aten.mul.Scalar, (product, alpha))
-                product.meta = dict(node.meta)
-            if beta != 1:
-                bias = graph.call_function(aten.mul.Scalar, (bias, beta))
-                bias.meta = dict(node.meta)
-            total = graph.call_function(aten.add.Tensor, (bias, product))
-            total.meta = dict(node.meta)
-        node.replace_all_uses_with(total)
-        graph.erase_node(node)
-        replaced += 1
-    if replaced:
-        graph.lint()
-        graph_module.recompile()
-    return replaced
+    return _rewrite_nodes(graph_module, torch.ops.aten.addmm.default, _mm_plus_bias)
+
+
+def _linear_if_transposed(node: torch.fx.Node, add: Callable[..., torch.fx.Node]) -> torch.fx.Node | None:
+    left, right = node.args
+    if not (isinstance(right, torch.fx.Node) and right.op == "call_function"
+            and right.target == torch.ops.aten.permute.default and list(right.args[1]) == [1, 0]):
+        return None
+    return add(torch.ops.aten.linear.default, (left, right.args[0]))
 
 
 def _linear_for_transposed_products(graph_module: torch.fx.GraphModule) -> int:
     """Rewrite mm(a, permute(w, [1, 0])) as linear(a, w): ExecuTorch's edge dialect turns every permute into a
     permute_copy, which copied a whole weight matrix before each product (a quarter of a SmolLM2 block's
     backward), while its optimized linear kernel reads w as stored."""
-    aten = torch.ops.aten
-    graph = graph_module.graph
-    replaced = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != aten.mm.default:
-            continue
-        left, right = node.args
-        if not (isinstance(right, torch.fx.Node) and right.op == "call_function"
-                and right.target == aten.permute.default and list(right.args[1]) == [1, 0]):
-            continue
-        with graph.inserting_before(node):
-            linear = graph.call_function(aten.linear.default, (left, right.args[0]))
-            linear.meta = dict(node.meta)
-        node.replace_all_uses_with(linear)
-        graph.erase_node(node)
-        if not right.users:
-            graph.erase_node(right)
-        replaced += 1
-    if replaced:
-        graph.lint()
-        graph_module.recompile()
-    return replaced
+    return _rewrite_nodes(graph_module, torch.ops.aten.mm.default, _linear_if_transposed)
 
 
 def _program_operators(program) -> set[str]:
