@@ -80,3 +80,77 @@ def test_mlx_generates_and_evaluates_too(tmp_path, capsys):
     (tmp_path / "held_out.txt").write_text(CORPUS)
     result = _eval(capsys, "--backend", "mlx", "--data", str(tmp_path / "held_out.txt"), "--max-batches", "2")
     assert result["tokens"] == 2 * 2 * 32 and result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+
+
+# Chats: `--chat --prompt` is one user message, `--messages FILE.jsonl` one conversation a line; both are
+# rendered with the model's chat template (or --chat-template) and the reply is the library's
+# (tests/models/test_generate_chat.py).
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    from chat_testkit import write_chat_checkpoint
+
+    return write_chat_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt")
+
+
+def test_generate_chat_replies_to_one_user_message(chat_checkpoint, capsys):
+    question = "What is the capital of France?"
+    assert main(["generate", "--model", str(chat_checkpoint), "--chat", "--prompt", question, "--max-tokens", "6",
+                 "--quiet"]) == 0
+    model = edgetrain.load_model(chat_checkpoint)
+    assert capsys.readouterr().out == edgetrain.generate(model, [{"role": "user", "content": question}], 6) + "\n"
+
+
+def test_generate_messages_appends_each_reply_as_an_assistant_message(chat_checkpoint, tmp_path, capsys):
+    from chat_testkit import CHAT
+
+    chats = [{"id": "a", "messages": CHAT}, {"messages": [{"role": "user", "content": "Hi!"}]}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(chats[0]) + "\n\n" + json.dumps(chats[1]) + "\n")  # a blank line is skipped
+    assert main(["generate", "--model", str(chat_checkpoint), "--messages", str(path), "--max-tokens", "5",
+                 "--quiet"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model = edgetrain.load_model(chat_checkpoint)
+    replies = [edgetrain.generate(model, chat["messages"], 5) for chat in chats]
+    assert lines == [{**chat, "messages": [*chat["messages"], {"role": "assistant", "content": reply}]}
+                     for chat, reply in zip(chats, replies)]
+
+
+def test_generate_chat_template_from_a_string_or_a_file(tmp_path, capsys):
+    from chat_testkit import CHATML
+
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    expected = edgetrain.generate(edgetrain.load_model("tiny"), [{"role": "user", "content": "hi"}], 5,
+                                  chat_template=CHATML) + "\n"
+    for template in (CHATML, str(tmp_path / "chatml.jinja")):
+        assert main(["generate", "--chat", "--prompt", "hi", "--chat-template", template, "--max-tokens", "5",
+                     "--quiet"]) == 0
+        assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize("flags, lines, message", [
+    ([], None, "generate needs exactly one of --prompt"),
+    (["--prompt", "x", "--messages", "{chats}"], [], "generate needs exactly one of --prompt"),
+    (["--chat", "--messages", "{chats}"], [], "--chat goes with --prompt"),
+    (["--prompt", "x", "--chat-template", "{{ 1 }}"], None, "--chat-template applies to chats"),
+    (["--chat", "--prompt", "x"], None, "a chat prompt needs a chat template, and the model's tokenizer "
+                                        "(ByteTokenizer) has none"),
+    (["--chat", "--prompt", "x", "--chat-template", "missing.jinja"], None,
+     "missing.jinja: the --chat-template file (and it is no Jinja template) does not exist"),
+    (["--messages", "{chats}"], ['{"messages": [{"role": "user", "content": "hi"}]}', "{not json"],
+     "chats.jsonl:2: not valid JSON"),
+    (["--messages", "{chats}"], ['{"messages": []}'], "chats.jsonl:1: the chat has no messages"),
+    (["--messages", "{chats}"], ['{"messages": [{"role": "user"}]}'],
+     "chats.jsonl:1: message 0 needs a string 'content'"),
+    (["--messages", "{chats}"], ['{"text": "hi"}'], "chats.jsonl:1: a conversation needs a \"messages\" list"),
+    (["--messages", "{chats}"], ["", " "], "chats.jsonl: no conversations"),
+    (["--messages", "{chats}"], None, "chats.jsonl: the conversations file does not exist"),
+])
+def test_bad_chat_flags_and_files_are_refused_by_name(tmp_path, capsys, flags, lines, message):
+    chats = tmp_path / "chats.jsonl"
+    if lines is not None:
+        chats.write_text("".join(line + "\n" for line in lines))
+    argv = ["generate", "--max-tokens", "2", *(f.replace("{chats}", str(chats)) for f in flags)]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -33,6 +33,35 @@ class ChatTemplateError(EdgetrainError, ValueError):
     """A chat template that cannot be compiled or rendered, or whose assistant text cannot be located."""
 
 
+class ChatMessageError(EdgetrainError, ValueError):
+    """A conversation that is not a non-empty list of {"role": str, "content": str} messages."""
+
+
+# The assistant's content in the conversation end_of_turn renders: plain letters, so that no template's
+# escaping or trimming changes it, and unlike anything a template writes around a message.
+_PROBE_CONTENT = "EdgetrainEndOfTurnProbe"
+_PROBE_CHAT = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE_CONTENT})
+
+
+def check_messages(messages: object, where: str = "the chat") -> list[dict[str, str]]:
+    """`messages` as a list of dicts, after checking that it is a non-empty list of messages whose "role"
+    and "content" are strings; a ChatMessageError names `where` and the message otherwise. Any role is
+    accepted: which roles a model knows is its chat template's business."""
+    if not isinstance(messages, (list, tuple)):
+        raise ChatMessageError(f"{where}: a chat must be a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise ChatMessageError(f"{where}: the chat has no messages")
+    for number, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatMessageError(f"{where}: message {number} must be a dict with \"role\" and \"content\", "
+                                   f"got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ChatMessageError(f"{where}: message {number} needs a string {key!r}, "
+                                       f"got {type(message.get(key)).__name__}")
+    return [dict(message) for message in messages]
+
+
 def _environment() -> Any:
     try:
         import jinja2
@@ -143,6 +172,16 @@ class ChatTemplate:
             end += len(upto[end:].rstrip())  # the rest of the turn: its end-of-turn token(s)
             spans.append((found, end))
         return text, spans
+
+    def end_of_turn(self) -> str | None:
+        """The text that closes an assistant turn (`<|im_end|>` in ChatML, `<|eot_id|>` in Llama 3), what a
+        reply generated with this template stops at: the turn's rest after the assistant's content (as
+        assistant_spans finds it) in a probe conversation, stripped of whitespace; None when the template
+        writes nothing there."""
+        text, spans = self.assistant_spans(_PROBE_CHAT)
+        start, end = spans[0]
+        ending = text[start + len(_PROBE_CONTENT):end].strip()
+        return ending or None
 
 
 def special_token_text(tokenizer: object, name: str) -> str | None:

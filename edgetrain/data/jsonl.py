@@ -9,14 +9,19 @@ Two kinds of record:
 Blank lines are skipped. Anything else -- a line that is not JSON, not an object, has neither key (or both),
 a value of the wrong type, an unknown role, no messages, or no assistant message -- is a JsonlError whose
 message starts with "file:line:", raised when the line is read, never skipped.
+
+`edgetrain generate --messages` reads conversations to reply to from the same kind of file (read_chats): one
+`{"messages": [...]}` object a line, any roles, no assistant message needed.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Any, Iterator, Union
 
 from edgetrain.data.binary import check_text_file
+from edgetrain.data.chat_template import check_messages
+from edgetrain.files.user import require_regular_file
 from edgetrain.registry import EdgetrainError
 
 ROLES = ("system", "user", "assistant")
@@ -49,8 +54,7 @@ def _messages(value: object, where: str) -> Messages:
     return value
 
 
-def parse_record(line: bytes, where: str) -> Record:
-    """The record on one line (`where` is "file:line", for messages)."""
+def _json_object(line: bytes, where: str) -> dict[str, Any]:
     try:
         value = json.loads(line)
     except UnicodeDecodeError as exc:
@@ -59,6 +63,12 @@ def parse_record(line: bytes, where: str) -> Record:
         raise JsonlError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(value, dict):
         raise JsonlError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def parse_record(line: bytes, where: str) -> Record:
+    """The record on one line (`where` is "file:line", for messages)."""
+    value = _json_object(line, where)
     if ("text" in value) == ("messages" in value):
         keys = ", ".join(map(repr, value)) or "none"
         raise JsonlError(f"{where}: a record needs exactly one of \"text\" or \"messages\" (keys: {keys})")
@@ -67,6 +77,26 @@ def parse_record(line: bytes, where: str) -> Record:
             raise JsonlError(f"{where}: \"text\" must be a string, got {type(value['text']).__name__}")
         return value["text"]
     return _messages(value["messages"], where)
+
+
+def parse_chat(line: bytes, where: str) -> dict[str, Any]:
+    """The conversation on one line, to reply to: a JSON object whose "messages" is a chat (checked by
+    edgetrain.data.chat_template.check_messages, a ChatMessageError naming `where`); its other keys are kept."""
+    value = _json_object(line, where)
+    if "messages" not in value:
+        keys = ", ".join(map(repr, value)) or "none"
+        raise JsonlError(f"{where}: a conversation needs a \"messages\" list (keys: {keys})")
+    return {**value, "messages": check_messages(value["messages"], where)}
+
+
+def read_chats(path: str | Path) -> list[dict[str, Any]]:
+    """Every conversation of a JSONL file (parse_chat), all read and checked before any is used, so that a
+    bad line is named before the first reply is written. An empty file is a JsonlError."""
+    path = require_regular_file(path, JsonlError, "the conversations file")
+    chats = [parse_chat(line, f"{path}:{number}") for number, _, line in iter_lines(path)]
+    if not chats:
+        raise JsonlError(f"{path}: no conversations (one {{\"messages\": [...]}} object a line)")
+    return chats
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:

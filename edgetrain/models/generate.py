@@ -6,7 +6,8 @@ instead of recomputed. It matches the model's full forward (tests/models/test_ge
 
 The three public functions take the models of other frameworks too: a model that is not a torch module
 goes to its backend's own module (Backend.text_out; MLX: edgetrain.backends.mlx.generate), which shares
-the argument checks, the decoding loop and the sampling below.
+the argument checks, the decoding loop and the sampling below, and continue_text: the prompt -- a string, or
+a chat rendered with the model's chat template -- and where its reply stops (edgetrain.data.chat_prompt).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from torch import nn
 
 from edgetrain.backends.base import text_functions_for
 from edgetrain.data.batch import Batch
+from edgetrain.data.chat_prompt import ends_with, generation_prompt
+from edgetrain.data.chat_template import Message
 from edgetrain.models.llama import Attention, DecoderBlock, apply_rope, rope_cos_sin
 from edgetrain.models.token_loss import is_block_decoder, summed_token_loss
 from edgetrain.registry import EdgetrainError
@@ -37,7 +40,10 @@ class KVCache:
         return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
 
 
-def _attend(attention: Attention, x: torch.Tensor, cache: KVCache, index: int, start: int) -> torch.Tensor:
+def attend(attention: Attention, x: torch.Tensor, cache: KVCache, index: int, start: int,
+           visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of `x` (the positions after the cache's) over the cache and itself; the cache grows by x.
+    `visible`: which keys each query sees, broadcastable to [batch, heads, steps, keys] (default causal)."""
     cfg = attention.config
     batch, steps, _ = x.shape
     q = attention.q_proj(x).view(batch, steps, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
@@ -49,15 +55,17 @@ def _attend(attention: Attention, x: torch.Tensor, cache: KVCache, index: int, s
         k = torch.cat([cache.keys[index], k], dim=2)
         v = torch.cat([cache.values[index], v], dim=2)
     cache.keys[index], cache.values[index] = k, v
-    # Query i (position start + i) sees keys 0 .. start + i.
-    visible = torch.arange(start + steps, device=x.device)[None, :] <= torch.arange(start, start + steps,
-                                                                                      device=x.device)[:, None]
+    if visible is None:  # query i (position start + i) sees keys 0 .. start + i
+        visible = torch.arange(start + steps, device=x.device)[None, :] <= torch.arange(start, start + steps,
+                                                                                          device=x.device)[:, None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=cfg.kv_groups > 1)
     return attention.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
 
-def _block(block: DecoderBlock, h: torch.Tensor, cache: KVCache, index: int, start: int) -> torch.Tensor:
-    h = h + _attend(block.self_attn, block.input_layernorm(h), cache, index, start)
+def block_cached(block: DecoderBlock, h: torch.Tensor, cache: KVCache, index: int, start: int,
+                 visible: torch.Tensor | None = None) -> torch.Tensor:
+    """One decoder block over the positions after the cache's (`visible` as attend takes it)."""
+    h = h + attend(block.self_attn, block.input_layernorm(h), cache, index, start, visible)
     return h + block.mlp(block.post_attention_layernorm(h))
 
 
@@ -78,7 +86,7 @@ def forward_cached(model: nn.Module, token_ids: torch.Tensor, cache: KVCache, *,
     start = cache.length
     h = model.embed(token_ids)
     for index, block in enumerate(model.blocks):
-        h = _block(block, h, cache, index, start)
+        h = block_cached(block, h, cache, index, start)
     return model.head(h[:, -1:] if last_only else h)
 
 
@@ -112,30 +120,35 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 
 def decode_loop(next_logits: Callable[[list[int]], torch.Tensor], prompt_ids: Sequence[int],
                 max_new_tokens: int, *, temperature: float, top_p: float, seed: int,
-                stop_ids: Iterable[int]) -> list[int]:
+                stop_ids: Iterable[int], stop_sequences: Iterable[Sequence[int]] = ()) -> list[int]:
     """The decoding loop every framework shares, so that sampling means the same everywhere:
     `next_logits(ids)` feeds ids that follow all ids fed before (the prompt first) and returns the
     [vocab] logits after the last of them, as a torch tensor; tokens are picked by _pick with a torch
-    generator seeded with `seed`."""
+    generator seeded with `seed`. It stops after any of `stop_ids`, or once the ids it produced end with
+    one of `stop_sequences` (both kept in what it returns)."""
     generator = torch.Generator().manual_seed(seed)
     stops = set(stop_ids)
+    sequences = [list(sequence) for sequence in stop_sequences]
     logits = next_logits([int(i) for i in prompt_ids])
     produced: list[int] = []
     while True:
         token = _pick(logits, temperature, top_p, generator)
         produced.append(token)
-        if token in stops or len(produced) == max_new_tokens:
+        if token in stops or any(ends_with(produced, s) for s in sequences) or len(produced) == max_new_tokens:
             return produced
         logits = next_logits([token])
 
 
 def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, stop_ids: Iterable[int] = ()) -> list[int]:
+                 top_p: float = 1.0, seed: int = 0, stop_ids: Iterable[int] = (),
+                 stop_sequences: Iterable[Sequence[int]] = ()) -> list[int]:
     """The ids that follow `prompt_ids`: greedy at temperature 0, else sampled (seeded) from the
-    temperature-scaled distribution, cut to its top_p mass. Stops early at any of `stop_ids`."""
+    temperature-scaled distribution, cut to its top_p mass. Stops early at any of `stop_ids`, or when
+    the ids end with one of `stop_sequences` (the stop is returned too)."""
     if not isinstance(model, nn.Module):
         return text_functions_for(model).generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature,
-                                                      top_p=top_p, seed=seed, stop_ids=stop_ids)
+                                                      top_p=top_p, seed=seed, stop_ids=stop_ids,
+                                                      stop_sequences=stop_sequences)
     check_sampling(max_new_tokens, temperature, top_p)
     _require_decoder(model)
     check_prompt(prompt_ids, model.config.vocab_size)
@@ -147,35 +160,40 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int = 64, *,
         return decode_loop(lambda ids: forward_cached(model, torch.tensor([ids], device=device), cache,
                                                       last_only=True)[0, -1],
                            prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                           stop_ids=stop_ids)
+                           stop_ids=stop_ids, stop_sequences=stop_sequences)
     finally:
         model.train(was_training)
 
 
-def continue_text(generate_ids: Callable[..., list[int]], model: Any, prompt: str, max_new_tokens: int, *,
-                  temperature: float, top_p: float, seed: int) -> str:
-    """`prompt` through the model's own tokenizer, `generate_ids`, and the new ids back to text; generation
-    stops at the tokenizer's end-of-sequence id when it has one (which is not part of the text)."""
+def continue_text(generate_ids: Callable[..., list[int]], model: Any, prompt: str | Sequence[Message],
+                  max_new_tokens: int, *, temperature: float, top_p: float, seed: int,
+                  chat_template: str | None = None) -> str:
+    """`prompt` through the model's own tokenizer (a chat rendered with its chat template first, see
+    edgetrain.data.chat_prompt), `generate_ids`, and the new ids back to text; generation stops at the
+    tokenizer's end-of-sequence id when it has one, and a chat's also at the template's end of turn (the
+    stop is not part of the text)."""
     from edgetrain.data.tokenizer import model_tokenizer
 
     tokenizer = model_tokenizer(model)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    ids = generate_ids(model, tokenizer.encode(prompt), max_new_tokens, temperature=temperature, top_p=top_p,
-                       seed=seed, stop_ids=() if eos is None else (eos,))
-    if eos is not None and ids and ids[-1] == eos:
-        ids = ids[:-1]
-    return tokenizer.decode(ids)
+    request = generation_prompt(tokenizer, prompt, chat_template)
+    ids = generate_ids(model, request.ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                       stop_ids=request.stop_ids, stop_sequences=request.stop_sequences)
+    return tokenizer.decode(request.reply(ids))
 
 
-def generate(model: Any, prompt: str, max_new_tokens: int = 64, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0) -> str:
+def generate(model: Any, prompt: str | Sequence[Message], max_new_tokens: int = 64, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, chat_template: str | None = None) -> str:
     """The text the model writes after `prompt`, tokenised with the model's own tokenizer; it stops at the
-    tokenizer's end-of-sequence id when it has one."""
+    tokenizer's end-of-sequence id when it has one.
+
+    `prompt` may be a chat, a list of {"role", "content"} messages: it is rendered with the model's chat
+    template (or `chat_template`, a Jinja string, for a tokenizer without one) ready for the assistant's
+    turn, and the reply stops at the template's end of turn too (`<|im_end|>` in ChatML)."""
     if not isinstance(model, nn.Module):
         return text_functions_for(model).generate(model, prompt, max_new_tokens, temperature=temperature,
-                                                  top_p=top_p, seed=seed)
+                                                  top_p=top_p, seed=seed, chat_template=chat_template)
     return continue_text(generate_ids, model, prompt, max_new_tokens, temperature=temperature, top_p=top_p,
-                         seed=seed)
+                         seed=seed, chat_template=chat_template)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,20 @@ def test_templates_that_hide_the_assistant_text_or_fail_are_named():
         ChatTemplate("{{ messages[0]['content'] + 1 }}").render(CHAT)
 
 
+def test_end_of_turn_is_the_text_that_closes_an_assistant_turn():
+    assert ChatTemplate(CHATML).end_of_turn() == "<|im_end|>"  # not the newline after it
+    assert ChatTemplate(LLAMA3, bos_token="<|begin_of_text|>").end_of_turn() == "<|eot_id|>"
+    assert ChatTemplate(MARKED).end_of_turn() == "<|im_end|>"
+    # Llama 2's shape: a space, then the tokenizer's EOS.
+    llama2 = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %}"
+              " {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}")
+    assert ChatTemplate(llama2, eos_token="</s>").end_of_turn() == "</s>"
+    assert ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}").end_of_turn() is None
+    hides = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="does not render the assistant's content verbatim"):
+        ChatTemplate(hides).end_of_turn()
+
+
 def test_templates_run_in_a_sandbox():
     escape = "{{ messages.__class__.__mro__ }}"
     with pytest.raises(ChatTemplateError, match="the chat template failed"):

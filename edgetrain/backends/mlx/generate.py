@@ -11,7 +11,7 @@ values of every earlier position (model.causal_attention with a start offset).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from edgetrain.backends.mlx.learner import batch_arrays
 from edgetrain.backends.mlx.model import Attention, DecoderBlock, MLXDecoder, apply_rope, causal_attention
 from edgetrain.data.batch import Batch
+from edgetrain.data.chat_template import Message
 from edgetrain.backends.mlx.token_loss import token_losses
 from edgetrain.models.generate import HeldOutLoss, check_prompt, check_sampling, continue_text, decode_loop
 from edgetrain.registry import EdgetrainError
@@ -89,9 +90,11 @@ def _as_torch(row: mx.array) -> torch.Tensor:
 
 
 def generate_ids(model: MLXDecoder, prompt_ids: list[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, stop_ids: Iterable[int] = ()) -> list[int]:
+                 top_p: float = 1.0, seed: int = 0, stop_ids: Iterable[int] = (),
+                 stop_sequences: Iterable[Sequence[int]] = ()) -> list[int]:
     """The ids that follow `prompt_ids`: greedy at temperature 0, else sampled (seeded) from the
-    temperature-scaled distribution, cut to its top_p mass. Stops early at any of `stop_ids`."""
+    temperature-scaled distribution, cut to its top_p mass. Stops early at any of `stop_ids`, or when
+    the ids end with one of `stop_sequences` (the stop is returned too)."""
     check_sampling(max_new_tokens, temperature, top_p)
     _require_decoder(model)
     check_prompt(prompt_ids, model.config.vocab_size)
@@ -104,17 +107,18 @@ def generate_ids(model: MLXDecoder, prompt_ids: list[int], max_new_tokens: int =
     model.eval()  # LoRA dropout off
     try:
         return decode_loop(next_logits, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                           stop_ids=stop_ids)
+                           stop_ids=stop_ids, stop_sequences=stop_sequences)
     finally:
         model.train(was_training)
 
 
-def generate(model: MLXDecoder, prompt: str, max_new_tokens: int = 64, *, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0) -> str:
+def generate(model: MLXDecoder, prompt: str | Sequence[Message], max_new_tokens: int = 64, *,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat_template: str | None = None) -> str:
     """The text the model writes after `prompt`, tokenised with the model's own tokenizer; it stops at the
-    tokenizer's end-of-sequence id when it has one."""
+    tokenizer's end-of-sequence id when it has one. A chat `prompt` (a list of messages) is rendered with the
+    model's chat template, or `chat_template`, and stops at its end of turn too (as the torch version)."""
     return continue_text(generate_ids, model, prompt, max_new_tokens, temperature=temperature, top_p=top_p,
-                         seed=seed)
+                         seed=seed, chat_template=chat_template)
 
 
 def _token_losses(model: MLXDecoder, batch: Batch) -> np.ndarray:
