@@ -2,7 +2,7 @@
 while the user is reading or typing the model trains on what was said, in the background.
 
     python samples/chat_personalise.py                           # SmolLM2-135M-Instruct (the GGUF, 93 MB)
-    python samples/chat_personalise.py --model tiny --max-tokens 8   # a quick look with a random preset
+    python samples/chat_personalise.py --model tiny --max-tokens 8 --no-guard   # a quick look, a random preset
 
 Type a message and press Enter; `/status` shows the store (examples, versions, what is served), `/quit`
 (or Ctrl-D) checkpoints and leaves. Everything lives in `--store`: kill the program at any moment -- in the
@@ -12,8 +12,12 @@ the chat answers with the last promoted adapter.
 
 How it uses edgetrain.Personaliser: `Policy(require_idle=True)` trains only while the app says it is idle,
 and the chat says so while it waits at the prompt; when a line arrives it says not idle, so training pauses
-within one step and the reply gets the processor. A new version is only served once the gate promoted it
-(it beat the previous one on held-out exchanges); the chat then reloads the model with it.
+within one step and the reply gets the processor. A new version is only served once the gate promoted it:
+it beat the previous one on held-out exchanges, and the forgetting guard found it still answers general
+prompts as the base model did (its retain set, made by the base model on the first run); the chat then
+reloads the model with it. Replies use the model's own chat template (edgetrain.models.generate takes the
+conversation) and end at its end of turn. `--no-guard` turns the guard off: a random preset such as `tiny`
+knows nothing to keep.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=48, help="longest reply, in tokens")
     parser.add_argument("--window-steps", type=int, default=10, help="training steps between promotion gates")
     parser.add_argument("--seq", type=int, default=128, help="training sequence length")
+    parser.add_argument("--no-guard", action="store_true",
+                        help="no forgetting guard (for a random preset, whose own answers are noise)")
     add_load_flags(parser, dtype_default=None)  # the base is kept packed unless --dequantize
     return parser
 
@@ -63,11 +69,9 @@ class Chat:
 
     def reply(self, line: str) -> str:
         self.refresh()
-        if self.template is not None:
-            prompt = self.template.render([{"role": "user", "content": line}], add_generation_prompt=True)
-        else:
-            prompt = f"User: {line}\nAssistant:"
-        return generate(self.model, prompt, self.max_tokens).strip()
+        if self.template is not None:  # rendered with the model's chat template, stopped at its end of turn
+            return generate(self.model, [{"role": "user", "content": line}], self.max_tokens).strip()
+        return generate(self.model, f"User: {line}\nAssistant:", self.max_tokens).strip()
 
     def example(self, line: str, answer: str) -> Any:
         """What the store keeps of one exchange: chat turns when the model has a chat format, else text."""
@@ -83,6 +87,9 @@ def _news(events: "queue.Queue[dict]") -> list[str]:
         event = events.get_nowait()
         if event["event"] == "promoted":
             lines.append(f"(a new version, {event.get('version')}, beat the last on held-out exchanges)")
+        elif event["event"] == "rejected" and "forgetting" in event.get("reason", ""):
+            lines.append(f"(the last training window forgot what the model knew: its answers to general prompts "
+                         f"got {100 * event['retain_worsened']:.1f}% less likely; kept the current version)")
         elif event["event"] == "rejected":
             lines.append("(the last training window did not improve held-out exchanges: kept the current version)")
     return lines
@@ -93,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     events: "queue.Queue[dict]" = queue.Queue()
     personaliser = Personaliser(args.store, model=args.model, method=args.method, window_steps=args.window_steps,
                                 seq_len=args.seq, checkpoint_every=2, policy=Policy(require_idle=True),
-                                on_event=events.put, load=LoadOptions.asked_for(args))
+                                on_event=events.put, load=LoadOptions.asked_for(args),
+                                **({"retain_margin": None} if args.no_guard else {}))
     chat = Chat(personaliser, args.max_tokens)
     chat.refresh()
     status = personaliser.status()

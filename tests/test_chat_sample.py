@@ -80,7 +80,8 @@ def _chat(tmp_path: Path, model: str, max_tokens: int) -> None:
         for paragraph in paragraphs[:12]:
             seed.add(paragraph)
     command = [sys.executable, "samples/chat_personalise.py", "--store", str(store), "--model", model,
-               "--max-tokens", str(max_tokens), "--window-steps", "200", "--seq", "64"]
+               "--max-tokens", str(max_tokens), "--window-steps", "200", "--seq", "64",
+               *(["--no-guard"] if model == "tiny" else [])]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            **{k: v for k, v in os.environ.items() if k in ("EDGETRAIN_CACHE", "HOME")}}
     said = ["my cat is called Pixel", "I water the ficus on Sundays", "the spare key is under the blue pot"]

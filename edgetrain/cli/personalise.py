@@ -4,6 +4,7 @@ The store is a directory (edgetrain.Personaliser): the examples in SQLite, the p
 the training state. It remembers the base model and method of its first `run` and refuses others.
 
     edgetrain personalise add --store notes.et note1.txt chats.jsonl     # prints one id per example
+    edgetrain personalise add --store notes.et --retain general.jsonl    # the forgetting guard's general examples
     echo "a note" | edgetrain personalise add --store notes.et -
     edgetrain personalise run --store notes.et --model smollm2-135m --max-seconds 600 --require-power
     edgetrain personalise status --store notes.et [--json]
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.backends.load_options import LoadOptions, add_load_flags
+from edgetrain.personalise.retain import DEFAULT_RETAIN_MARGIN
 from edgetrain.training.threads import threads_flag
 
 
@@ -41,6 +43,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add.add_argument("files", nargs="+", metavar="FILE", help="text file (one example), .jsonl (one a line), or -")
     add.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
                      help="how to read the files: by suffix (auto: .jsonl is JSONL), or all as text / all as JSONL")
+    add.add_argument("--retain", action="store_true",
+                     help="add them to the retain set instead (general examples the forgetting guard scores "
+                          "every candidate on; never the user's, trained on only by --replay)")
 
     run = actions.add_parser("run", help="train while the device allows; promote only better adapters",
                              description="Train in windows while the policy allows; after each window the "
@@ -76,6 +81,17 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     run.add_argument("--rank", type=int, default=8, help="LoRA rank (fixed when the store is created)")
     run.add_argument("--margin", type=float, default=0.0,
                      help="how much better a candidate must be: a fraction of perplexity, or accuracy points")
+    run.add_argument("--retain-margin", type=float, default=DEFAULT_RETAIN_MARGIN, metavar="F",
+                     help="the forgetting guard: reject a candidate whose retain-set score is worse than the base "
+                          "model's by more than this (a fraction of perplexity, or accuracy points; default "
+                          f"{DEFAULT_RETAIN_MARGIN})")
+    run.add_argument("--no-guard", action="store_true", help="no forgetting guard (the gate sees the user's "
+                                                             "held-out examples only)")
+    run.add_argument("--replay", type=float, default=0.0, metavar="F",
+                     help="draw this fraction of each window's batches from the retain set (default 0)")
+    run.add_argument("--retain-prompts", default=None, metavar="FILE",
+                     help="general prompts, one a line, whose base-model answers make a decoder's retain set "
+                          "(default: edgetrain's own)")
     run.add_argument("--keep", type=int, default=3, help="versions kept")
     run.add_argument("--holdout-every", type=int, default=None,
                      help="hold out one example in N (fixed when the store is created; default 5)")
@@ -160,11 +176,15 @@ def _event_logger():
             if event["step"] % 10 == 0:
                 log.info("window %s step %s: loss %.4f", event["window"], event["step"], event["loss"])
         elif kind in ("promoted", "rejected") and "value" in event:
-            log.info("%s: window %s, held-out %s %.4g (was %.4g)%s", kind, event["window"], event["metric"],
-                     event["value"], event["reference"],
-                     f" -> version {event['version']}" if kind == "promoted" else "")
+            retain = "" if event.get("retain") is None else \
+                f"; retain set {event['metric']} {event['retain']:.4g} (base {event['retain_base']:.4g})"
+            log.info("%s: window %s, held-out %s %.4g (was %.4g)%s%s%s", kind, event["window"], event["metric"],
+                     event["value"], event["reference"], retain,
+                     f" -> version {event['version']}" if kind == "promoted" else "",
+                     f" [{event['reason']}]" if kind == "rejected" else "")
         elif kind in ("paused", "waiting", "window", "window_resumed", "rejected", "window_abandoned",
-                      "skipped_example", "version_damaged", "examples_dropped"):
+                      "skipped_example", "version_damaged", "examples_dropped", "retain_built", "retain_rebuilt",
+                      "retain_empty"):
             details = {k: v for k, v in event.items() if k not in ("event", "time", "ids")}
             log.info("%s %s", kind, json.dumps(details, default=str))
     return report
@@ -185,12 +205,20 @@ def _print_status(status: dict[str, Any]) -> None:
         marks = [m for m, on in (("promoted", version["promoted"]), ("stale", version["stale"]),
                                  (version["state"], version["state"] != "kept")) if on]
         reference = "" if version["reference"] is None else f" (beat {version['reference']:.4g})"
+        retain = "" if version.get("retain") is None else \
+            f"; retain set {version['retain']:.4g} (base {version['retain_base']:.4g})"
         print(f"  v{version['version']:<4} {version['metric']} {version['value']:.4g}{reference} on "
-              f"{version['held_out']} held out, {version['trained']} trained" + (f"  [{', '.join(marks)}]" if marks else ""))
+              f"{version['held_out']} held out, {version['trained']} trained{retain}"
+              + (f"  [{', '.join(marks)}]" if marks else ""))
     window = status["window"]
     if window is not None:
         start = "the base" if window["start"] is None else f"version {window['start']}"
         print(f"window:    {window['number']} from {start}, {window['steps']} steps")
+    guard = status["guard"]
+    if guard["answers"] is not None or guard["app_examples"]:
+        base = "" if guard["base"] is None else f", the base model's score {guard['base']:.4g}"
+        print(f"retain:    {guard['answers'] or 0} base-model answers ({guard['prompts']} prompts), "
+              f"{guard['app_examples']} general examples{base}")
     print(f"running:   {'yes' if status['running'] else 'no'}")
     policy = status["policy"]
     if policy is not None:
@@ -207,7 +235,7 @@ def main(args: argparse.Namespace) -> int:
 
         examples = read_examples(args.files, args.format)
         with Store(args.store) as store:
-            for example_id in store.add_many(examples):
+            for example_id in (store.add_retain if args.retain else store.add_many)(examples):
                 print(example_id)
         return 0
     from edgetrain.personalise import Personaliser
@@ -252,12 +280,17 @@ def _run(args: argparse.Namespace) -> int:
     template = None
     if args.chat_template is not None:
         template = Path(args.chat_template).read_text(encoding="utf-8")
+    prompts = None
+    if args.retain_prompts is not None:
+        prompts = [line.strip() for line in Path(args.retain_prompts).read_text(encoding="utf-8").splitlines()
+                   if line.strip()]
     with Personaliser(args.store, args.model, method=args.method, backend=args.backend, rank=args.rank,
                       lr=args.lr, batch_size=args.batch, seq_len=args.seq, window_steps=args.window_steps,
                       checkpoint_every=args.checkpoint_every, keep_versions=args.keep, margin=args.margin,
                       holdout_every=args.holdout_every, policy=policy, chat_template=template,
                       on_event=_event_logger(), load=LoadOptions.asked_for(args),
-                      threads=args.threads) as personaliser:
+                      threads=args.threads, retain_margin=None if args.no_guard else args.retain_margin,
+                      replay=args.replay, retain_prompts=prompts) as personaliser:
         result = personaliser.run(max_steps=args.max_steps, max_seconds=args.max_seconds, wait=args.wait)
         served = personaliser.served_version()
     print(json.dumps({"steps": result.steps, "windows": result.windows, "promoted": result.promoted,

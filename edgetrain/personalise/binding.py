@@ -103,6 +103,11 @@ def bind(store: Store, directory: Path, model: str | Path, loaded: Any, kind: Mo
                 kind.check(example_from_body(body))
             except BadExampleError as exc:
                 wrong.append(f"{example} ({exc})")
+        for example, body in store.retain_rows(connection):
+            try:
+                kind.check(example_from_body(body))
+            except BadExampleError as exc:
+                wrong.append(f"{example} (retain set: {exc})")
         if wrong:
             raise WrongKindError(f"store {directory} holds {len(wrong)} example(s) that {kind.describe()} "
                                  f"cannot learn from: {'; '.join(wrong[:5])}; forget them first")

@@ -40,3 +40,9 @@ class ModelMismatchError(PersonaliseError):
 
 class NothingToRollBackError(PersonaliseError):
     """rollback() with no promoted version: the base model is already what is served."""
+
+
+class RetainSetError(PersonaliseError):
+    """The store's retain set (what the forgetting guard scores a candidate on) is missing, damaged or cannot
+    be built. A missing or damaged set of the base model's answers is rebuilt from its prompts (a
+    `retain_rebuilt` event says why); this error is for what cannot be rebuilt."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from edgetrain.data.batch import Batch
 from edgetrain.data.indexed import seeded_permutation
@@ -79,6 +79,23 @@ class RowSampler:
         return Batch(torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts]), index)
 
 
+class ReplaySampler:
+    """A window's batches with a fraction `replay` of them from the retain set: batch k is a replay batch
+    when floor((k + 1) * replay) > floor(k * replay), so the replay batches are spread evenly, exactly that
+    fraction of any window, and batch k stays a pure function of k (a resumed window gets the same ones)."""
+
+    def __init__(self, user: RowSampler, retain: RowSampler, replay: float) -> None:
+        self.user, self.retain, self.replay = user, retain, replay
+
+    def batch(self, index: int) -> Batch:
+        replayed_before = math.floor(index * self.replay)
+        if math.floor((index + 1) * self.replay) > replayed_before:
+            batch = self.retain.batch(replayed_before)
+        else:
+            batch = self.user.batch(index - replayed_before)
+        return Batch(batch.inputs, batch.targets, index)
+
+
 class DecoderKind:
     """LoRA on a decoder (see the module docstring)."""
 
@@ -96,6 +113,8 @@ class DecoderKind:
     @property
     def version_file(self) -> str:
         return "adapter" if self.backend.adapter_is_directory else "adapter.safetensors"
+
+    answers_prompts = True  # its retain set is the base's answers to general prompts (edgetrain.personalise.retain)
 
     def prepare(self, model: Any, lora: dict[str, Any]) -> None:
         from edgetrain.models.lora import LoraConfig
@@ -139,6 +158,34 @@ class DecoderKind:
             records.append(record)
         return records, skipped
 
+    def retain_answers(self, model: Any, prompts: Sequence[str], max_new_tokens: int,
+                       interrupted: Callable[[], bool]) -> list[dict[str, Any]]:
+        """The model's greedy answers to `prompts` as records: chats in its chat template when it has one
+        (scored on the answer alone), else the answer as a text record. Answers with nothing to score are left out."""
+        from edgetrain.data.chat_prompt import chat_prompt, text_prompt
+        from edgetrain.data.chat_template import chat_template_for
+        from edgetrain.data.jsonl_stream import padding_id
+        from edgetrain.data.tokenizer import model_tokenizer
+        from edgetrain.models.generate_batch import answer_ids
+
+        tokenizer = model_tokenizer(model)
+        chat = chat_template_for(tokenizer, self.chat_template) is not None
+        starts = [chat_prompt(tokenizer, [{"role": "user", "content": p}], self.chat_template) if chat
+                  else text_prompt(tokenizer, f"{p}\n") for p in prompts]
+        answers = answer_ids(model, [start.ids for start in starts], max_new_tokens,
+                             stop_ids=set().union(*(start.stop_ids for start in starts)),
+                             pad_id=padding_id(tokenizer), interrupted=interrupted)
+        answers = [cut_at_stop(ids, start.stop_sequences) for ids, start in zip(answers, starts)]
+        records = []
+        for prompt, ids in zip(prompts, answers):
+            answer = tokenizer.decode(ids)
+            if chat and answer.strip():  # templates trim a message's content: keep what the model will see
+                records.append({"messages": [{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": answer.strip()}]})
+            elif not chat and len(ids) >= 2:  # a text record needs two tokens for one target
+                records.append({"text": answer})
+        return records
+
     def _rows(self, model: Any, path: Path, epochs: int | None):
         from edgetrain.data.jsonl_stream import JsonlStream
         from edgetrain.data.tokenizer import model_tokenizer
@@ -180,6 +227,7 @@ class ClassifierKind:
     higher_is_better = True
     default_method = "bp"
     version_file = "weights.safetensors"
+    answers_prompts = False  # its retain set is the general examples the app adds
 
     def __init__(self, kind: ModelKind) -> None:
         self.kind = kind
@@ -230,6 +278,16 @@ class ClassifierKind:
 
     def step_estimate(self, model: Any, batch: Batch, method: str) -> int | None:
         return None
+
+
+def cut_at_stop(ids: list[int], stop_sequences: Sequence[Sequence[int]]) -> list[int]:
+    """`ids` up to the first of `stop_sequences` (an end of turn the tokenizer spells in several tokens)."""
+    for sequence in stop_sequences:
+        for at in range(len(ids) - len(sequence) + 1):
+            if ids[at:at + len(sequence)] == list(sequence):
+                ids = ids[:at]
+                break
+    return ids
 
 
 def gate(metric_higher_is_better: bool, candidate: float, reference: float, margin: float) -> tuple[bool, float]:

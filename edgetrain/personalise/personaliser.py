@@ -10,13 +10,15 @@
 Training runs in windows of `window_steps` steps. A window starts from the promoted version (from the base
 when there is none or it is stale), trains a candidate on the examples that are not held out, and ends at
 the gate: the candidate is evaluated on the held-out examples (one in `holdout_every`, chosen by id, never
-trained on) and promoted only when it beats what the window started from by more than `margin`. The
+trained on) and promoted only when it beats what the window started from by more than `margin` and it has
+not forgotten what the base model knew: its score on the store's retain set (edgetrain.personalise.retain)
+worsened by at most `retain_margin` from the base model's. The
 learner's state is checkpointed every `checkpoint_every` steps, on pause and on stop, so a run killed at
 any moment resumes its window where the last checkpoint left it.
 
 The store directory holds everything: examples.sqlite (examples, versions, state), events.jsonl,
-base/ (the adapter a window starts from when it starts from the base), versions/vNNNNNN/ (promoted
-adapters), window/ (the open window's example snapshots and checkpoints), run.lock.
+base/ (the adapter a window starts from when it starts from the base), retain/ (the base model's answers
+the forgetting guard scores), versions/vNNNNNN/ (promoted adapters), window/ (the open window's example snapshots and checkpoints), run.lock.
 
 This module is the facade an app calls. The run loop and its thread control are in
 edgetrain.personalise.runner, a window's lifecycle (open, step, checkpoint, gate) in
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from edgetrain.backends.load_options import LoadOptions
 from edgetrain.personalise.binding import (bind, bound_load_options, check_bound, check_holdout_every, load_base,
@@ -36,6 +38,8 @@ from edgetrain.personalise.events import EventCallback, EventLog
 from edgetrain.personalise.examples import ModelKind, is_held_out
 from edgetrain.personalise.kinds import model_kind
 from edgetrain.personalise.policy import Policy
+from edgetrain.personalise.retain import (DEFAULT_RETAIN_MARGIN, RetainSet, check_prompts, check_replay,
+                                          check_retain_margin)
 from edgetrain.personalise.run_result import RunResult
 from edgetrain.personalise.runner import Runner, run_lock
 from edgetrain.personalise.sensors import as_sensors
@@ -74,6 +78,13 @@ class Personaliser:
         default, dequantised with LoadOptions(dequantize=True), dense ones quantised with quantize_bits.
         Recorded when the store is created, so that every window and served model uses the same base;
         another one later is refused.
+    retain_margin: the forgetting guard: a candidate whose retain-set score is worse than the base model's by
+        more than this (a fraction of perplexity, 0.05 = 5% higher; accuracy points for classifiers) is
+        rejected with reason "forgetting". None turns the guard off.
+    retain_prompts: the general prompts whose base-model answers make a decoder's retain set (default:
+        edgetrain.personalise.general_prompts); the app's own, recorded in the store when given.
+    replay: a fraction of each window's batches drawn from the retain set (0, the default: none), so that
+        training itself forgets less; the guard then scores only the retain records replay never sees.
     threads: the learner's intra-op threads. "auto" (default) fits them, between steps, to the cores other
         processes leave free (edgetrain.training.threads): beside a busy app a step on a taken core stalls
         every torch worker. A number fixes them; None leaves torch's setting alone.
@@ -87,17 +98,23 @@ class Personaliser:
                  policy: Policy | None = None, sensors: Any = None, on_event: EventCallback | None = None,
                  serve_stale: bool | None = None, chat_template: str | None = None,
                  memory_budget: int | str | None = None, seed: int = 0, poll_seconds: float = 0.25,
-                 load: LoadOptions | None = None, threads: int | str | None = "auto") -> None:
+                 load: LoadOptions | None = None, threads: int | str | None = "auto",
+                 retain_margin: float | None = DEFAULT_RETAIN_MARGIN, retain_prompts: Sequence[str] | None = None,
+                 replay: float = 0.0) -> None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("window_steps", window_steps),
                             ("checkpoint_every", checkpoint_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PersonaliseError(f"{name} must be a whole number >= 1, got {value!r}")
         if not isinstance(margin, (int, float)) or margin < 0:
             raise PersonaliseError(f"margin must be a number >= 0, got {margin!r}")
+        self.retain_margin = check_retain_margin(retain_margin)
+        self.replay = check_replay(replay)
+        prompts = check_prompts(retain_prompts)
         self.directory = Path(store).expanduser()
         self.events = EventLog(self.directory / EVENTS, on_event)
         self.store = Store(self.directory, events=self.events)
         self.versions = Versions(self.store)
+        self.retain_set = RetainSet(self.directory, self.store, self.events)
         self.backend_name = backend
         self.optimizer, self.lr = optimizer, lr
         # One fitter for every window's learner: beside a busy app a window starts on the cores it had left.
@@ -124,6 +141,8 @@ class Personaliser:
         if serve_stale is not None:
             self.store.set_meta("serve_stale", bool(serve_stale))
         self._bind(model, method, holdout_every)
+        if prompts is not None and prompts != self.retain_set.prompts():
+            self.retain_set.set_prompts(prompts)
 
     # -- the store's model ------------------------------------------------------------------------------
     @property
@@ -193,6 +212,12 @@ class Personaliser:
     def add_many(self, examples: Iterable[Any]) -> list[str]:
         """Add examples in one transaction (all or none); their ids in order."""
         return self.store.add_many(examples)
+
+    def add_retain(self, examples: Iterable[Any]) -> list[str]:
+        """Add examples the app marks as general to the retain set (a classifier's (input, label) pairs, a
+        decoder's texts or chats): the forgetting guard scores every candidate on them, and only replay
+        trains on them. In one transaction; their ids."""
+        return self.store.add_retain(examples)
 
     def forget(self, ids: Iterable[str]) -> dict[str, list]:
         """Delete these examples and mark stale every version that trained on them; the next window rebuilds
@@ -289,6 +314,7 @@ class Personaliser:
             policy = self.store.get_meta("policy", None, connection)
             pause = self.store.get_meta("last_pause", None, connection)
             retention = self.store.get_meta("retention", None, connection)
+            retain_base = self.store.get_meta("retain_base", None, connection)
         every = bound["holdout_every"] if bound else None
         held_out = sum(is_held_out(i, every) for i in ids) if every else None
         serve_stale = self.serve_stale
@@ -306,7 +332,10 @@ class Personaliser:
                 "window": None if window is None else {k: window[k] for k in
                                                        ("number", "start", "train", "held_out", "reference",
                                                         "steps") if k in window},
-                "running": running, "policy": policy, "last_pause": pause}
+                "running": running, "policy": policy, "last_pause": pause,
+                "guard": {"retain_margin": self.retain_margin, "replay": self.replay,
+                          "base": None if retain_base is None else retain_base.get("value"),
+                          **self.retain_set.status()}}
 
     # -- background control --------------------------------------------------------------------------
     @property

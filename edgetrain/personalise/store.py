@@ -8,7 +8,9 @@ another at most `busy_timeout` seconds.
 
 Tables: `schema` (the version of this layout: a store written by a newer edgetrain is refused untouched),
 `meta` (JSON values by key: the model the store was made for, retention caps, the run's state), `examples`
-(id = content hash, kind, canonical JSON, size), `versions` and `trained_on` (edgetrain.personalise.versions).
+(id = content hash, kind, canonical JSON, size), `versions`, `trained_on` and `version_retain`
+(edgetrain.personalise.versions), `retain_examples` (what the app marked as general: the forgetting guard's,
+never trained on but by replay; edgetrain.personalise.retain).
 
 Deleted examples are overwritten in the file (`secure_delete`), and forget() checkpoints the WAL, so what
 the user asked to forget does not linger in free pages.
@@ -62,6 +64,17 @@ CREATE TABLE IF NOT EXISTS trained_on (
     PRIMARY KEY (version, example)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS trained_on_example ON trained_on (example);
+CREATE TABLE IF NOT EXISTS retain_examples (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS version_retain (
+    version INTEGER PRIMARY KEY,
+    value REAL NOT NULL,
+    base REAL NOT NULL
+);
 """
 
 
@@ -311,6 +324,26 @@ class Store:
             count, total = count - 1, total - size
         connection.executemany("DELETE FROM examples WHERE id = ?", [(i,) for i, _ in dropped])
         return dropped
+
+    def add_retain(self, examples: Iterable[Any]) -> list[str]:
+        """Add examples the app marks as general (the retain set's, not the user's: never held out, never
+        trained on but by replay, not subject to the retention cap or forget) in one transaction; their ids."""
+        parsed = [parse_example(example) for example in examples]
+        with self.transaction() as connection:
+            kind = self.model_kind(connection)
+            if kind is not None:
+                for example in parsed:
+                    kind.check(example)
+            connection.executemany("INSERT INTO retain_examples (id, kind, body) VALUES (?, ?, ?) "
+                                   "ON CONFLICT(id) DO NOTHING", [(e.id, e.kind, e.body) for e in parsed])
+        return [example.id for example in parsed]
+
+    def retain_rows(self, connection: sqlite3.Connection | None = None) -> list[tuple[str, str]]:
+        """(id, body) of the app's general examples, oldest first."""
+        if connection is None:
+            with self.reading() as connection:
+                return self.retain_rows(connection)
+        return list(connection.execute("SELECT id, body FROM retain_examples ORDER BY seq"))
 
     def count(self) -> tuple[int, int]:
         """(examples, bytes of their canonical form)."""

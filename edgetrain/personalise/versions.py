@@ -43,6 +43,8 @@ class Version:
     steps: int
     stale: bool
     state: str         # kept | rolled_back | damaged
+    retain: float | None = None       # its retain-set score when promoted (None: no forgetting guard)
+    retain_base: float | None = None  # the base model's score on the same retain set
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,9 +73,10 @@ class Versions:
         if connection is None:
             with self.store.reading() as connection:
                 return self.all(connection)
-        rows = connection.execute("SELECT version, parent, created, path, metric, value, reference, held_out, "
-                                  "trained, steps, stale, state FROM versions ORDER BY version")
-        return [Version(*row[:10], bool(row[10]), row[11]) for row in rows]
+        rows = connection.execute("SELECT v.version, parent, created, path, metric, v.value, reference, held_out, "
+                                  "trained, steps, stale, state, r.value, r.base FROM versions v LEFT JOIN "
+                                  "version_retain r ON r.version = v.version ORDER BY v.version")
+        return [Version(*row[:10], bool(row[10]), *row[11:]) for row in rows]
 
     def get(self, version: int, connection: sqlite3.Connection | None = None) -> Version | None:
         return next((v for v in self.all(connection) if v.version == version), None)
@@ -105,11 +108,12 @@ class Versions:
         return max([highest, recorded, *on_disk]) + 1
 
     def promote(self, candidate: Path, *, parent: int | None, generation: int, metric: str, value: float,
-                reference: float | None, held_out: int, trained: Sequence[str], steps: int, keep: int) -> int | None:
+                reference: float | None, held_out: int, trained: Sequence[str], steps: int, keep: int,
+                retain: tuple[float, float] | None = None) -> int | None:
         """Move the complete adapter at `candidate` into a new version and promote it, in one transaction
         that also checks nothing invalidated the window meanwhile (the store's generation is still
         `generation`); the version's number, or None when the window no longer applies (the candidate is
-        deleted)."""
+        deleted). `retain`: its retain-set score and the base model's, kept with it."""
         with self.store.reading() as connection:
             number = self._next_number(connection)
         target_directory = self.directory / f"v{number:06d}"
@@ -128,6 +132,9 @@ class Versions:
                     "trained, steps) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (number, parent, time.time(), str(target.relative_to(self.store.directory)), metric, value,
                      reference, held_out, len(trained), steps))
+                if retain is not None:
+                    connection.execute("INSERT OR REPLACE INTO version_retain (version, value, base) VALUES (?, ?, ?)",
+                                       (number, *retain))
                 if parent is not None:
                     connection.execute("INSERT OR IGNORE INTO trained_on (version, example) SELECT ?, example "
                                        "FROM trained_on WHERE version = ?", (number, parent))
@@ -149,6 +156,7 @@ class Versions:
         for version, _ in doomed:
             connection.execute("DELETE FROM versions WHERE version = ?", (version,))
             connection.execute("DELETE FROM trained_on WHERE version = ?", (version,))
+            connection.execute("DELETE FROM version_retain WHERE version = ?", (version,))
         return [(self.store.directory / path).parent for _, path in doomed]
 
     def remove_orphans(self) -> list[Path]:

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 from edgetrain.personalise.errors import BadExampleError
 from edgetrain.personalise.examples import example_from_body, is_held_out
-from edgetrain.personalise.kinds import NotEnoughData, gate, write_snapshot
+from edgetrain.personalise.kinds import NotEnoughData, ReplaySampler, gate, write_snapshot
+from edgetrain.personalise.retain import RetainSplit, digest_of, worsened_by
 from edgetrain.personalise.run_result import RunResult
 from edgetrain.personalise.store import Store
 from edgetrain.registry import EdgetrainError
@@ -34,6 +35,7 @@ class Window:
     learner: Any
     batches: Any
     eval_batches: list
+    retain_batches: list | None = None  # the retain set's scored part (None: no forgetting guard)
     checkpointed_step: int = 0
 
 
@@ -64,6 +66,9 @@ class WindowOwner(Protocol):
     checkpoint_every: int
     keep_versions: int
     margin: float
+    retain_margin: float | None  # the forgetting guard's (None: off)
+    replay: float
+    retain_set: Any  # edgetrain.personalise.retain.RetainSet
     memory_budget: Any
     threads: Any  # None, a fixed count or a ThreadFitter shared by every window's learner
 
@@ -192,7 +197,9 @@ class Windows:
                  "backend": owner.backend_name, "lr": self.default_lr(bound["kind"]["task"]),
                  "batch_size": owner.batch_size, "seq_len": owner.seq_len, "train": len(train_records),
                  "held_out": len(held_records), "train_ids": train_ids,
-                 "held_out_digest": hashlib.sha256(",".join(sorted(held_ids)).encode()).hexdigest()}
+                 "held_out_digest": hashlib.sha256(",".join(sorted(held_ids)).encode()).hexdigest(),
+                 "guarded": self.guarded, "replay": owner.replay}
+        state["retain"] = self.open_retain(state) if self.guarded else None
         self.load_start(state["start"])
         window = self.build(state)
         state["reference"] = self.reference(window, state)
@@ -202,9 +209,54 @@ class Windows:
             owner.store.set_meta("window", state, connection)
             owner.store.set_meta("windows", number, connection)
         self.current = window
+        retain = state["retain"] or {}
         owner.events.emit("window", window=number, start=state["start"] if state["start"] is not None else "base",
                           train=state["train"], held_out=state["held_out"], metric=trainer.metric,
-                          reference=state["reference"])
+                          reference=state["reference"], retain_base=retain.get("base"),
+                          retain_scored=retain.get("scored"), replayed=retain.get("replayed"))
+
+    @property
+    def guarded(self) -> bool:
+        """Whether windows use the retain set: for the forgetting guard, or for replay."""
+        return self.owner.retain_margin is not None or self.owner.replay > 0
+
+    def open_retain(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """The new window's retain set: the base model's answers (made now with the base loaded, the first
+        time), split for replay, snapshotted beside the window's examples, and the base model's score on
+        the scored part (cached by its digest). None when there is nothing to score (a classifier whose
+        app added no general example: a `retain_empty` event says so)."""
+        owner = self.owner
+        model, trainer = owner.require_model()
+        self.load_start(None)  # the base: it answers the prompts and is what the guard compares with
+        learner = self.learner(state)
+
+        def paced() -> bool:
+            # Read before every new token: pause() and stop() are seen within one, and the threads follow
+            # the cores the app leaves free, as a step's do (on a busy core, all of torch's workers stall).
+            learner.fit_threads()
+            return self.interrupted()
+
+        try:
+            records = owner.retain_set.records(model, trainer, paced)
+        except InterruptedError:
+            raise Interrupted() from None
+        if not records:
+            owner.events.emit("retain_empty", reason="no general examples to score a candidate on "
+                                                     "(Personaliser.add_retain): the forgetting guard checks nothing")
+            return None
+        split = RetainSplit.of(records, owner.replay)
+        write_snapshot(split.scored, self.directory / "retain_scored.jsonl")
+        if split.replayed:
+            write_snapshot(split.replayed, self.directory / "retain_replay.jsonl")
+        key = {"digest": digest_of(split.scored), "seq_len": state["seq_len"]}
+        retain = {**key, "scored": len(split.scored), "replayed": len(split.replayed)}
+        cached = owner.store.get_meta("retain_base")
+        if cached is not None and {k: cached.get(k) for k in key} == key:
+            return {**retain, "base": float(cached["value"])}
+        scored = trainer.eval_batches(model, self.directory / "retain_scored.jsonl")
+        base = self.evaluate(Window(state, learner, None, [], scored), scored)
+        owner.store.set_meta("retain_base", {**key, "value": base})
+        return {**retain, "base": base}
 
     def build(self, state: dict[str, Any]) -> Window:
         model, trainer = self.owner.require_model()
@@ -213,10 +265,17 @@ class Windows:
         eval_batches = trainer.eval_batches(model, directory / "held_out.jsonl")
         if not eval_batches:
             raise NotEnoughData("the held-out examples hold too few tokens for one window")
+        retain_batches = None
+        if state.get("retain"):
+            retain_batches = trainer.eval_batches(model, directory / "retain_scored.jsonl")
+            if state["retain"]["replayed"]:
+                replay = trainer.train_batches(model, directory / "retain_replay.jsonl", state["batch_size"],
+                                               state["seed"] + 1)
+                batches = ReplaySampler(batches, replay, state["replay"])
         learner = self.learner(state)
         if not self.measured:  # the memory policy's need before any step is measured: edgetrain's estimate
             self.need_bytes = trainer.step_estimate(model, batches.batch(0), state["method"])
-        return Window(state, learner, batches, eval_batches)
+        return Window(state, learner, batches, eval_batches, retain_batches)
 
     def resume(self, state: dict[str, Any]) -> bool:
         """Go on with the window a previous run recorded, from its last checkpoint; False (and its files
@@ -229,7 +288,9 @@ class Windows:
                                                         ("batch_size", owner.batch_size),
                                                         ("seq_len", owner.seq_len), ("steps", owner.window_steps)))
                 and (owner.lr is None or state.get("lr") == owner.lr)
-                and (self.directory / "train.jsonl").is_file())
+                and state.get("guarded") == self.guarded and state.get("replay") == owner.replay
+                and (self.directory / "train.jsonl").is_file()
+                and (not state.get("retain") or (self.directory / "retain_scored.jsonl").is_file()))
         if not same:
             self.discard_files()
             return False
@@ -254,13 +315,15 @@ class Windows:
         store.set_meta("reference", {**key, "value": value})
         return value
 
-    def evaluate(self, window: Window) -> float:
+    def evaluate(self, window: Window, batches_of: list | None = None) -> float:
+        """The window's learner's metric on `batches_of` (default: the held-out examples)."""
         _, trainer = self.owner.require_model()
 
         def batches() -> Iterator[Any]:
-            for batch in window.eval_batches:
+            for batch in window.eval_batches if batches_of is None else batches_of:
                 if self.interrupted():
                     raise Interrupted()
+                window.learner.fit_threads()  # beside a busy app an evaluation stalls as a step would
                 yield batch
 
         return float(window.learner.evaluate(batches())[trainer.metric])
@@ -307,12 +370,22 @@ class Windows:
         state = window.state
         value = self.evaluate(window)
         reference = state["reference"]
-        promote, better = gate(trainer.higher_is_better, value, reference, owner.margin)
+        gained, better = gate(trainer.higher_is_better, value, reference, owner.margin)
+        failed = [] if gained else ["held_out"]
+        retain: dict[str, Any] = {}
+        if window.retain_batches is not None:
+            retain_value, retain_base = self.evaluate(window, window.retain_batches), state["retain"]["base"]
+            worse = worsened_by(trainer.higher_is_better, retain_value, retain_base)
+            retain = dict(retain=retain_value, retain_base=retain_base, retain_worsened=worse,
+                          retain_margin=owner.retain_margin)
+            if owner.retain_margin is not None and worse > owner.retain_margin:
+                failed.append("forgetting")
+        promote = not failed
         result.windows += 1
         owner.events.emit("evaluated", window=state["number"], metric=trainer.metric, value=value,
-                          reference=reference, held_out=state["held_out"])
+                          reference=reference, held_out=state["held_out"], **retain)
         common = dict(window=state["number"], metric=trainer.metric, value=value, reference=reference,
-                      by=better, margin=owner.margin)
+                      by=better, margin=owner.margin, **retain)
         if promote:
             candidate = self.directory / "candidate" / trainer.version_file
             candidate.parent.mkdir(exist_ok=True)
@@ -320,7 +393,8 @@ class Windows:
             number = owner.versions.promote(candidate, parent=state["start"], generation=state["generation"],
                                             metric=trainer.metric, value=value, reference=reference,
                                             held_out=state["held_out"], trained=state["train_ids"],
-                                            steps=state["steps"], keep=owner.keep_versions)
+                                            steps=state["steps"], keep=owner.keep_versions,
+                                            retain=(retain["retain"], retain["retain_base"]) if retain else None)
             if number is not None:
                 result.promoted.append(number)
                 owner.store.set_meta("reference", {"start": number, "held_out_digest": state["held_out_digest"],
@@ -328,7 +402,9 @@ class Windows:
                 owner.events.emit("promoted", version=number, **common)
         else:
             result.rejected += 1
-            owner.events.emit("rejected", **common)
+            # Which side failed: "held_out" (no better on the user's examples than the start by the margin),
+            # "forgetting" (the retain score worsened from the base model's by more than retain_margin).
+            owner.events.emit("rejected", reason=" and ".join(failed), **common)
         self.close()
 
     def close(self) -> None:

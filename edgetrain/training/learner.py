@@ -192,7 +192,7 @@ class Learner:
         # (and a checkpoint written after the failure) is the state of the last good step.
         side_state = None if getattr(self.method, "advances_on_failure", False) else self.side_state()
         self.engine.begin_step(self.seed, self.steps_done)
-        threads = self._fit_threads()
+        threads = self.fit_threads()
         lr = self._apply_lr_schedule()
         window = self.engine.step_window(probe) if probe is not None else None
         try:
@@ -223,9 +223,10 @@ class Learner:
                          tokens=batch.num_tokens, seconds=seconds, peak_bytes=peak,
                          probe=probe.name if probe is not None else "none", lr=lr, threads=threads)
 
-    def _fit_threads(self) -> int | None:
+    def fit_threads(self) -> int | None:
         """The intra-op threads for this step (threads=): fixed, or fitted to the cores others left free
-        (edgetrain.training.threads). None where the learner leaves them to the framework."""
+        (edgetrain.training.threads). None where the learner leaves them to the framework. Called before
+        every step; other work on the learner's model (the personaliser's generation) calls it too."""
         if self.threads is None:
             return None
         count = self.threads if isinstance(self.threads, int) else self.threads.choose()

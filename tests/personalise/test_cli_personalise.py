@@ -54,7 +54,7 @@ def test_run_status_forget_rollback(tmp_path, capsys):
     texts = tmp_path / "notes.jsonl"
     texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in english_texts(40)))
     ids = _run(capsys, "add", "--store", store, str(texts))[1].split()
-    fast = ["--seq", "32", "--window-steps", "6", "--lr", "5e-3", "--holdout-every", "4"]
+    fast = ["--seq", "32", "--window-steps", "6", "--lr", "5e-3", "--holdout-every", "4", "--no-guard"]
     code, out, _ = _run(capsys, "run", "--store", store, "--model", "tiny", "--max-steps", "12", *fast)
     summary = json.loads(out)
     assert code == 0 and summary["steps"] == 12 and summary["promoted"] and summary["served"] == summary["promoted"][-1]
