@@ -54,8 +54,10 @@ def notes_of(documents: dict[str, str], keys: Sequence[str], min_chars: int = 20
 
 
 def make_personaliser(store: Path, args: argparse.Namespace, **options: Any) -> Personaliser:
+    # The gate on the user's side alone, as these figures were first measured: the forgetting guard and
+    # what it costs and keeps are tools/bench_forgetting.py's.
     return Personaliser(store, model=args.model, method=args.method, seq_len=args.seq, batch_size=args.batch,
-                        lr=args.lr, **options)
+                        lr=args.lr, retain_margin=None, **options)
 
 
 # -- 1. overhead -----------------------------------------------------------------------------------------

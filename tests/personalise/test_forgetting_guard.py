@@ -241,3 +241,33 @@ def test_the_cli_adds_general_examples_runs_with_the_guard_and_shows_both_scores
     text = run("status", "--store", store)[1]
     assert f"retain set {version['retain']:.4g} (base {version['retain_base']:.4g})" in text
     assert "12 general examples" in text
+
+
+def test_a_pause_while_the_retain_set_is_made_stops_it_within_a_token_and_the_next_run_makes_it(tmp_path,
+                                                                                                   monkeypatch):
+    from edgetrain.personalise.kinds import DecoderKind
+
+    recorder = Recorder()
+    personaliser = _guarded(tmp_path, recorder)
+    personaliser.add_many(english_texts(40))
+    real = DecoderKind.retain_answers
+    tokens_after_pause = []
+
+    def paused_midway(self, model, prompts, max_new_tokens, interrupted):
+        personaliser.pause(wait=False)  # the app takes the device back while the base model answers
+
+        def counting() -> bool:
+            stop = interrupted()
+            tokens_after_pause.append(stop)
+            return stop
+
+        return real(self, model, prompts, max_new_tokens, counting)
+
+    monkeypatch.setattr(DecoderKind, "retain_answers", paused_midway)
+    result = personaliser.run(max_steps=6)
+    assert result.reason == "paused" and result.steps == 0 and tokens_after_pause == [True]
+    assert not recorder.of("retain_built") and not (tmp_path / "retain" / "answers.jsonl").exists()
+    monkeypatch.setattr(DecoderKind, "retain_answers", real)
+    personaliser.resume()
+    result = personaliser.run(max_steps=6)
+    assert result.steps == 6 and len(recorder.of("retain_built")) == 1

@@ -47,3 +47,29 @@ def test_mlx_promotes_resumes_and_forgets(tmp_path):
     assert resumed.forget([trained])["stale"] == [v["version"] for v in resumed.status()["versions"]]
     resumed.run(max_steps=4)
     assert again.of("window")[-1]["start"] == "base"
+
+
+def test_mlx_makes_its_retain_set_one_prompt_at_a_time_and_guards_with_it(tmp_path):
+    from edgetrain.models.generate import generate_ids
+
+    recorder = Recorder()
+    prompts = ["Say hello.", "Name a colour.", "Count to three."]
+    personaliser = make(tmp_path, on_event=recorder, retain_margin=0.05, retain_prompts=prompts, **MLX)
+    personaliser.add_many(english_texts(24, length=120))
+    personaliser.add_retain(english_texts(4, start=300, length=120))
+    personaliser.run(max_steps=4)
+    built = recorder.of("retain_built")[0]
+    assert built["prompts"] == 3
+    # The answers are MLX's own greedy ones (the base, before any step), as text records: tiny has no template.
+    answers = [line for line in (tmp_path / "retain" / "answers.jsonl").read_text().splitlines() if line]
+    assert len(answers) == built["answers"]
+    base = make(tmp_path / "other", **MLX).model_for_inference()
+    from edgetrain.data.tokenizer import model_tokenizer
+
+    tokenizer = model_tokenizer(base)
+    expected = [tokenizer.decode(generate_ids(base, tokenizer.encode(f"{p}\n"), 48)) for p in prompts]
+    import json
+
+    assert [json.loads(a)["text"] for a in answers] == [e for e in expected if len(tokenizer.encode(e)) >= 2]
+    gate = (recorder.of("promoted") or recorder.of("rejected"))[0]
+    assert gate["retain"] is not None and gate["retain_base"] is not None
