@@ -1,10 +1,13 @@
 """A Personaliser's training windows, from opening to the gate (edgetrain.personalise.personaliser has the
 overview).
 
-A window snapshots the examples that are not held out, loads the version it starts from, measures that
-start's held-out metric (the reference), takes `window_steps` steps with a checkpoint every
-`checkpoint_every`, and ends at the gate, which promotes the candidate or rejects it. Windows is the one
-object that holds the open window; the run loop (edgetrain.personalise.runner) decides when it steps.
+A window snapshots the examples that are not held out, and the retain set (edgetrain.personalise.retain:
+made by the base model the first time, with the base's score on it); loads the version it starts from,
+measures that start's held-out metric (the reference), takes `window_steps` steps (a `replay` fraction of
+them on the retain set) with a checkpoint every `checkpoint_every`, and ends at the gate, which promotes the
+candidate or rejects it: no better than its start on the user's held-out examples, or forgetting (its
+retain score worse than the base's by more than `retain_margin`). Windows is the one object that holds the
+open window; the run loop (edgetrain.personalise.runner) decides when it steps.
 """
 from __future__ import annotations
 
