@@ -81,12 +81,17 @@ def load_base(name: str, backend_name: str, seed: int, load: LoadOptions) -> Any
 
 def bind(store: Store, directory: Path, model: str | Path, loaded: Any, kind: ModelKind, trainer: Any, *,
          method: str | None, holdout_every: int | None, lora: dict[str, Any], backend_name: str,
-         load: LoadOptions) -> None:
+         load: LoadOptions, seed: int = 0) -> None:
     """Bind the store to `model` (`loaded`, trained by `trainer`): check the method, add the adapters, save
     the base a window starts from and record the binding, provided every example in the store suits the kind."""
     method = method or trainer.default_method
     check_method(backend_name, method)
     lora = lora if kind.task == "lm" else None
+    from edgetrain.backends import get_backend
+
+    # The adapters' random init is the base every window from the base starts with: seeded, so that the same
+    # seed gives the same store in any process, whatever drew random numbers before.
+    get_backend(backend_name).make_engine().seed(seed)
     trainer.prepare(loaded, lora or {})
     base = directory / BASE / trainer.version_file
     base.parent.mkdir(exist_ok=True)

@@ -74,6 +74,8 @@ class Personaliser:
         rebuilt one is promoted (True), or serve the base model meanwhile (False, the default). Kept in the store.
     chat_template: a Jinja chat template for chat examples when the model's tokenizer has none.
     memory_budget: the learner's budget guard (bytes or "512MiB").
+    seed: the adapters' random initialisation when the store is created, and every window's shuffle: the same
+        seed and examples give the same versions in any process.
     load: how the base is held (edgetrain.LoadOptions): a GGUF's 4- and 8-bit weights packed as stored by
         default, dequantised with LoadOptions(dequantize=True), dense ones quantised with quantize_bits.
         Recorded when the store is created, so that every window and served model uses the same base;
@@ -167,7 +169,7 @@ class Personaliser:
         kind = model_kind(loaded)
         trainer = self._make_kind(kind)
         bind(self.store, self.directory, model, loaded, kind, trainer, method=method, holdout_every=holdout_every,
-             lora=self._lora, backend_name=self.backend_name, load=self.load_options)
+             lora=self._lora, backend_name=self.backend_name, load=self.load_options, seed=self.seed)
         self._model, self._kind = loaded, trainer
 
     def _make_kind(self, kind: ModelKind) -> Any:

@@ -314,3 +314,19 @@ def test_kill_9_during_a_run_resumes_from_the_checkpoint_and_always_serves_a_com
             assert resumed[0]["step"] >= checkpoints[-1]["step"], f"random seed {seed}"
         assert personaliser.store.integrity_problems() == []
         personaliser.close()
+
+
+def test_the_same_seed_makes_the_same_store_whatever_drew_random_numbers_before(tmp_path):
+    from edgetrain.training.checkpoint import load_safetensors_checked
+
+    adapters = []
+    for name in ("first", "second"):
+        torch.rand(1000)  # the app (or an earlier store) drew from torch's global generator
+        personaliser = make(tmp_path / name, seed=7)
+        tensors, _ = load_safetensors_checked(tmp_path / name / personaliser.bound["base"])
+        adapters.append(tensors)
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    assert all(torch.equal(adapters[0][key], adapters[1][key]) for key in adapters[0])
+    third = make(tmp_path / "third", seed=8)
+    tensors, _ = load_safetensors_checked(tmp_path / "third" / third.bound["base"])
+    assert any(not torch.equal(tensors[key], adapters[0][key]) for key in tensors)
