@@ -41,3 +41,16 @@ def write_chat_checkpoint(directory: Path, template: str | None = CHATML) -> Pat
     config = {"eos_token": "<|endoftext|>", **({} if template is None else {"chat_template": template})}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def spy_on_generate_ids(monkeypatch, module) -> list[dict]:
+    """Record what `module`'s generate_ids is handed (prompt ids, stops) and the ids it returns, call by call."""
+    calls: list[dict] = []
+    real = module.generate_ids
+
+    def recording(model, prompt_ids, max_new_tokens, **options):
+        produced = real(model, prompt_ids, max_new_tokens, **options)
+        calls.append(dict(prompt_ids=list(prompt_ids), produced=produced, **options))
+        return produced
+    monkeypatch.setattr(module, "generate_ids", recording)
+    return calls

@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_personalise import corpus_documents, split_documents  # noqa: E402
-from bench_personaliser import notes_of  # noqa: E402
+from bench_personalise import corpus_documents  # noqa: E402
+from bench_personaliser import pydoc_notes  # noqa: E402
 
 from edgetrain.data import TextStream  # noqa: E402
 from edgetrain.models.generate import held_out_loss  # noqa: E402
@@ -116,9 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    documents = corpus_documents("pydoc")
-    train_keys, held_keys = split_documents(documents, len, seed=0, held_fraction=0.1, held_tokens=20_000)
-    notes = notes_of(documents, train_keys)
+    documents, train_keys, held_keys, notes = pydoc_notes()
     fortunes = corpus_documents("fortunes")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-forgetting-") as directory:

@@ -53,6 +53,13 @@ def notes_of(documents: dict[str, str], keys: Sequence[str], min_chars: int = 20
     return notes
 
 
+def pydoc_notes() -> tuple[dict[str, str], list[str], list[str], list[str]]:
+    """(pydoc topics by name, topics the notes come from, topics held out, the notes): the user's stream."""
+    documents = corpus_documents("pydoc")
+    train_keys, held_keys = split_documents(documents, len, seed=0, held_fraction=0.1, held_tokens=20_000)
+    return documents, train_keys, held_keys, notes_of(documents, train_keys)
+
+
 def make_personaliser(store: Path, args: argparse.Namespace, **options: Any) -> Personaliser:
     # The gate on the user's side alone, as these figures were first measured: the forgetting guard and
     # what it costs and keeps are tools/bench_forgetting.py's.
@@ -227,9 +234,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    documents = corpus_documents("pydoc")
-    train_keys, held_keys = split_documents(documents, len, seed=0, held_fraction=0.1, held_tokens=20_000)
-    notes = notes_of(documents, train_keys)
+    documents, train_keys, held_keys, notes = pydoc_notes()
     report: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory(prefix="bench-personaliser-") as directory:
         root = Path(directory)

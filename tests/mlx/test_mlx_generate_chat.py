@@ -16,7 +16,7 @@ from edgetrain.data.chat_prompt import chat_prompt  # noqa: E402
 from edgetrain.data.chat_template import ChatTemplateError  # noqa: E402
 from edgetrain.models.generate import generate  # noqa: E402
 
-from chat_testkit import CHAT, EOS, IM_END, write_chat_checkpoint  # noqa: E402
+from chat_testkit import CHAT, EOS, IM_END, write_chat_checkpoint, spy_on_generate_ids  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +27,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture
 def spy(monkeypatch):
     """What MLX's generate hands its generate_ids: prompt ids, stops, and the ids that came back."""
-    calls: list[dict] = []
-
-    def recording(model, prompt_ids, max_new_tokens, **options):
-        produced = real(model, prompt_ids, max_new_tokens, **options)
-        calls.append(dict(prompt_ids=list(prompt_ids), produced=produced, **options))
-        return produced
-    real = mlx_generate.generate_ids
-    monkeypatch.setattr(mlx_generate, "generate_ids", recording)
-    return calls
+    return spy_on_generate_ids(monkeypatch, mlx_generate)
 
 
 def test_mlx_renders_the_chat_as_torch_does_and_writes_the_same_reply(checkpoint, spy):

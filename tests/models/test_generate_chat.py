@@ -14,7 +14,7 @@ from edgetrain.data.chat_template import ChatMessageError, ChatTemplate, ChatTem
 from edgetrain.data.tokenizer import ByteTokenizer
 from edgetrain.models.generate import decode_loop, generate, generate_ids
 
-from chat_testkit import CHAT, CHATML, EOS, IM_END, write_chat_checkpoint
+from chat_testkit import CHAT, CHATML, EOS, IM_END, write_chat_checkpoint, spy_on_generate_ids
 
 pytest.importorskip("tokenizers")
 # A template whose end of turn, "##", is two tokens of the byte tokenizer.
@@ -30,15 +30,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture
 def spy(monkeypatch):
     """What generate() hands generate_ids: prompt ids, stops, and the ids that came back."""
-    calls: list[dict] = []
-
-    def recording(model, prompt_ids, max_new_tokens, **options):
-        produced = real(model, prompt_ids, max_new_tokens, **options)
-        calls.append(dict(prompt_ids=list(prompt_ids), produced=produced, **options))
-        return produced
-    real = generation.generate_ids
-    monkeypatch.setattr(generation, "generate_ids", recording)
-    return calls
+    return spy_on_generate_ids(monkeypatch, generation)
 
 
 def _force(model, token: int) -> None:
