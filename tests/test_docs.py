@@ -12,7 +12,7 @@ README = ROOT / "README.md"
 
 # The README's two set-up commands, exactly as a newcomer copies them (.ci/run runs the second).
 SETUP_BLOCK = """```bash
-tools/demo    # creates .venv, installs edgetrain, runs `edgetrain profile` on the built-in default
+tools/demo    # creates .venv, installs edgetrain, profiles a LoRA step: mesp against autograd (a minute)
 tools/test    # creates/updates .venv with the dev extras, installs the test data, runs every test (what CI runs)
 ```"""
 

@@ -252,3 +252,78 @@ def test_a_profile_whose_load_changed_prints_no_time_ratio():
     changed = format_table([record("mebp", 0.2, 0.0), record("mesp", 0.1, 1.0)])
     assert "0.50x" not in changed
     assert "time ratios not printed: the load changed under this run (other processes kept 0.0 to 1.0 cores" in changed
+
+
+def _trade_record(method: str, peak_mib: float, seconds: float, error: float | None = 2e-6,
+                  others: float | None = 0.0) -> dict:
+    return {"method": method, "model": "smollm2-135m", "seq": 256, "batch": 1, "backend": "torch-cpu",
+            "torch_threads": 2, "peak_bytes_probe": peak_mib * 2**20, "peak_bytes_tensors": peak_mib * 2**20,
+            "step_seconds": seconds, "loss": 1.0, "grad_cosine": 1.0, "grad_max_rel_err": error,
+            "others_busy_cores": others}
+
+
+def test_two_lines_under_the_table_weigh_mesp_against_the_autograd_methods():
+    table = format_table([_trade_record("bp", 400, 2.0), _trade_record("mebp", 160, 3.0),
+                          _trade_record("mesp", 32, 1.5, error=3e-6)])
+    *_, blank, first, second = table.splitlines()
+    assert blank == ""
+    assert first == ("mesp: gradients within 3.0e-06 of the fp64 reference, in 0.20x mebp's and 0.08x bp's training "
+                     "memory (peak above the weights), at 0.50x mebp's and 0.75x bp's step time.")
+    assert second.startswith("mebp is autograd with every block checkpointed; bp is plain autograd; mesp keeps")
+    # Without the fidelity pass nothing is claimed about exactness; with the load changed, nothing about time.
+    unsteady = format_table([_trade_record("mebp", 160, 3.0, error=None, others=0.0),
+                             _trade_record("mesp", 32, 1.5, error=None, others=1.0)])
+    line = unsteady.splitlines()[-2]
+    assert line == ("mesp: in 0.20x mebp's training memory (peak above the weights), (no time ratio: the load "
+                    "changed under the run).")
+    # Nothing to weigh: no lines.
+    assert format_table([_trade_record("bp", 400, 2.0), _trade_record("mebp", 160, 3.0)]).splitlines()[-1].startswith(
+        "mebp ")
+    assert format_table([_trade_record("mesp", 32, 1.5), _trade_record("mezo", 20, 1.0)]).splitlines()[-1].startswith(
+        "mezo ")
+
+
+def test_threads_auto_reaches_the_profiled_learner_and_the_record(monkeypatch):
+    """`--threads auto` profiles with the learner's fitted thread count, as `personalise run` trains by default,
+    and the fidelity pass before the learner exists runs on the fitted count too (fixed at every core beside a
+    busy one, its fp64 reference step had thrashed for minutes)."""
+    import torch
+
+    import edgetrain
+    from edgetrain.profiler import worker
+    from edgetrain.profiler.config import ProfileConfig
+    from edgetrain.training.threads import ThreadFitter
+
+    fitters, fidelity_threads = [], []
+    original_init, original_fidelity = edgetrain.Learner.__init__, worker.gradient_fidelity
+
+    def spy_init(self, *args, **kwargs):
+        fitters.append(kwargs.get("threads"))
+        original_init(self, *args, **kwargs)
+
+    def spy_fidelity(*args, **kwargs):
+        fidelity_threads.append(torch.get_num_threads())
+        return original_fidelity(*args, **kwargs)
+
+    monkeypatch.setattr(edgetrain.Learner, "__init__", spy_init)
+    monkeypatch.setattr(worker, "gradient_fidelity", spy_fidelity)
+    monkeypatch.setattr(ThreadFitter, "choose", lambda self: 1)  # one core left free
+    threads_before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        record = worker.profile_method(ProfileConfig(model="tiny", method="mesp", seq=16, steps=1, threads="auto"))
+    finally:
+        torch.set_num_threads(threads_before)
+    assert len(fitters) == 1 and isinstance(fitters[0], ThreadFitter)
+    assert fidelity_threads == [1] and record["torch_threads"] == 1 and record["threads_choice"] == "auto"
+    assert record["minor_faults_per_step"] >= 0
+    assert "1 threads (auto: the cores other processes left free)" in format_table([record])
+    import argparse
+
+    from edgetrain.cli.profile import build_parser
+
+    parser = build_parser(argparse.ArgumentParser())
+    assert parser.parse_args(["--threads", "auto"]).threads == "auto"
+    assert parser.parse_args(["--threads", "1"]).threads == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--threads", "0"])

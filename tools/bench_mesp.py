@@ -37,12 +37,14 @@ PAPER_TABLE1_MB = {  # Apple Silicon, MLX, 4-bit base, phys_footprint (MeSP pape
 
 # A method spec "mesp:fused" is mesp with the per-block fused optimizer update (the paper's mode).
 # "mesp:lean" also drops the learner's rollback copy of the adapters and optimizer state.
+# "mesp:fresh" allocates every temporary anew (reuse_buffers=False), as mesp did before step_buffers.py.
 SPEC_OPTIONS = {"fused": {"fused_update": True}, "lean": {"fused_update": True, "rollback": False},
-                "store": {"store_lora_projection": True}}
+                "store": {"store_lora_projection": True}, "fresh": {"reuse_buffers": False}}
 
 
 COLUMNS = [Column("peak_bytes_tensors", "tensors", MIB, "MiB"), Column("peak_bytes_probe", "probe", MIB, "MiB"),
-           Column("step_seconds", "time", 1.0, "s/step")]
+           Column("step_seconds", "time", 1.0, "s/step"), Column("floor_ratio", "over floor", 1.0, "x"),
+           Column("minor_faults_per_step", "page faults", 1000.0, "k/step")]
 
 
 def measure_column(title: str, model: str, specs: list[str], seq: int, rank: int, args,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from edgetrain.backends.load_options import add_load_flags
+from edgetrain.training.threads import threads_flag
 
 # The first method is the ratio reference. mesp needs a LoRA decoder; the forward-gradient methods
 # train every weight of small vision/text classifiers.
@@ -49,6 +50,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-fidelity", action="store_true",
                         help="skip the gradient comparison with the fp64 reference (bp on a float64 copy)")
     parser.add_argument("--target", default=None, help="device profile from targets/ (budget warning)")
+    parser.add_argument("--threads", default=None, type=threads_flag, metavar="N|auto",
+                        help="intra-op threads of the profiled steps: a number, or auto for the cores other processes "
+                             "leave free, checked between steps (default: torch's own)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write one JSON record per method")
     parser.add_argument("--plot", default=None, metavar="FILE", help="write a PNG bar chart")
     return parser
@@ -107,7 +111,8 @@ def main(args: argparse.Namespace) -> int:
                                    batch=args.batch, rank=args.rank, steps=args.steps, warmup=args.warmup,
                                    dtype=args.dtype,
                                    layers=args.layers, fidelity=not args.no_fidelity,
-                                   quantize_bits=args.quantize_bits, dequantize=args.dequantize)
+                                   quantize_bits=args.quantize_bits, dequantize=args.dequantize,
+                                   threads=args.threads)
             records.append(run_isolated(config, on_progress=lambda line: log.info("    %s", line)))
             bar.update()
     print(format_table(records))

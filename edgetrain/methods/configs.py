@@ -33,6 +33,9 @@ class MeSPConfig:
     loss_chunk: int = _checked(positive_int_option, 256)         # tokens per loss chunk
     # vocabulary rows per loss tile; None: 4096, or 512 for a quantised head on a CPU (torch)
     vocab_chunk: int | None = _checked(positive_int_option, None, optional=True)
+    # torch on a CPU: a step's large temporaries reuse buffers whose tensors are gone (mesp/step_buffers.py);
+    # the same numbers, without a page fault per fresh temporary. MLX's allocator caches its own buffers.
+    reuse_buffers: bool = _checked(flag_option, True)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ class ProfileConfig:
     method_options: dict[str, Any] = field(default_factory=dict)
     quantize_bits: int | None = None  # dense base weights quantised to N bits on load (4 = the MeSP paper's)
     dequantize: bool = False          # a GGUF's 4/8-bit matrices held dense (default: kept packed as stored)
+    threads: int | str | None = None  # the learner's intra-op threads: N, "auto" (the free cores) or torch's own
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -67,7 +67,8 @@ def format_table(records: list[dict[str, Any]]) -> str:
             f"{first.get('dtype', '')}, {first['backend']}, "
             + (f"base {first['base']}, " if first.get("base") else "")
             + (f"BLAS: {first['blas']}, " if first.get("blas") else "")
-            + f"{first.get('torch_threads', '?')} threads\n"
+            + f"{first.get('torch_threads', '?')} threads"
+            + (" (auto: the cores other processes left free)" if first.get("threads_choice") == "auto" else "") + "\n"
             + f"peak = training memory above the pre-step baseline (weights excluded); footprint = what the "
             f"process holds above the framework's runtime (weights included) plus that peak; estimate = "
             f"edgetrain's analytic step memory (edgetrain/training/step_estimates.py), probe/est its ratio to the peak\n"
@@ -99,7 +100,34 @@ def format_table(records: list[dict[str, Any]]) -> str:
     lines = ["  ".join(cell.ljust(w) if i in (0, len(columns) - 1) else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return head + "\n" + "\n".join(lines)
+    return head + "\n" + "\n".join(lines + trade_lines(records, times_comparable=not load_changed))
+
+
+# The autograd methods mesp is weighed against under the table, and what each one is.
+TRADE_REFERENCES = {"mebp": "autograd with every block checkpointed", "bp": "plain autograd"}
+
+
+def trade_lines(records: list[dict[str, Any]], times_comparable: bool = True) -> list[str]:
+    """Two lines under the table: what mesp costs against the autograd methods in the run (memory and time as
+    ratios, and how exact its gradient was), and what those methods are. [] without mesp or a reference."""
+    by_method = {record["method"]: record for record in records}
+    mesp = by_method.get("mesp")
+    references = [name for name in TRADE_REFERENCES if name in by_method]
+    if mesp is None or not references:
+        return []
+
+    def ratios(field: str) -> str:
+        parts = [f"{_ratio(mesp.get(field), by_method[name].get(field))} {name}'s" for name in references]
+        return " and ".join(parts)
+
+    exact = (f"gradients within {mesp['grad_max_rel_err']:.1e} of the fp64 reference, "
+             if mesp.get("grad_max_rel_err") is not None else "")
+    time = (f"at {ratios('step_seconds')} step time" if times_comparable
+            else "(no time ratio: the load changed under the run)")
+    first = f"mesp: {exact}in {ratios('peak_bytes_probe')} training memory (peak above the weights), {time}."
+    second = ("; ".join(f"{name} is {TRADE_REFERENCES[name]}" for name in references)
+              + "; mesp keeps only each block's input and differentiates the blocks by hand, one at a time.")
+    return ["", first, second]
 
 
 def write_json(records: list[dict[str, Any]], path: str | Path) -> Path:

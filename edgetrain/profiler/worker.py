@@ -92,6 +92,7 @@ def profile_torch_method(config) -> dict[str, Any]:
     import edgetrain
     from edgetrain.models.quantized import packed_matrix_count
     from edgetrain.probes import TensorAccountant, default_probe_name, measuring
+    from edgetrain.training.threads import thread_fitter
 
     runtime_baseline = _runtime_baseline_bytes(default_probe_name(config.backend))
     _progress(f"[{config.method}] building {config.model} ({config.dtype})")
@@ -103,6 +104,10 @@ def profile_torch_method(config) -> dict[str, Any]:
                               "lora": getattr(model, "lora_config", None) is not None,
                               "quantize_bits": config.quantize_bits, "dequantize": config.dequantize,
                               "base": config.load_options().describe(), "packed_matrices": packed_matrix_count(model)}
+    # One fitter for the whole worker: the fidelity pass and the untimed steps run beside the same load as the
+    # timed ones (fixed at every core beside a busy one, an fp64 reference step thrashed for minutes).
+    threads = thread_fitter(config.threads)
+    _apply_threads(threads)
     if config.fidelity:
         _progress(f"[{config.method}] gradient fidelity against {GRADIENT_REFERENCE}")
         record.update(gradient_fidelity(model, config.method, batch, config.method_options))
@@ -112,7 +117,7 @@ def profile_torch_method(config) -> dict[str, Any]:
     probe_name = default_probe_name(config.backend)
     learner = edgetrain.Learner(model, method=config.method, backend=config.backend, optimizer="sgd",
                                 lr=1e-5, method_options=config.method_options, probe=probe_name,
-                                seed=config.seed)
+                                seed=config.seed, threads=threads)
     _progress(f"[{config.method}] warm-up step" + ("s" if config.warmup > 1 else ""))
     first = learner.step(batch)
     for _ in range(config.warmup - 1):
@@ -127,12 +132,19 @@ def profile_torch_method(config) -> dict[str, Any]:
         record["loss"] = first.loss
     seconds, peaks = [], []
     load_before = _cpu_reading()
+    faults_before = _minor_faults()
     for index in range(config.steps):
         _progress(f"[{config.method}] step {index + 1}/{config.steps}")
         stats = learner.step(batch)
         seconds.append(stats.seconds)
         peaks.append(stats.peak_bytes)
+    faults_after = _minor_faults()
+    # Pages the kernel had to map in and zero for the steps: each fresh temporary's, with the probe's pinned
+    # mmap threshold (edgetrain/methods/mesp/step_buffers.py says what that cost mesp).
+    record["minor_faults_per_step"] = (None if faults_before is None or faults_after is None
+                                       else round((faults_after - faults_before) / config.steps))
     record["others_busy_cores"] = _others_busy(load_before)
+    record["threads_choice"] = config.threads  # None: torch's own count; "auto": fitted between steps
     record["probe"] = stats.probe
     record["step_seconds"] = statistics.median(seconds)
     record["peak_bytes_probe"] = None if any(p is None for p in peaks) else max(peaks)
@@ -163,6 +175,24 @@ def profile_torch_method(config) -> dict[str, Any]:
                                   for t in list(model.parameters()) + list(model.buffers()))
     record["torch_threads"] = torch.get_num_threads()
     return record
+
+
+def _apply_threads(threads) -> None:
+    """Set torch's intra-op threads as the learner will (a fixed count, or the fitter's choice now)."""
+    if threads is None:
+        return
+    import torch
+
+    torch.set_num_threads(threads if isinstance(threads, int) else threads.choose())
+
+
+def _minor_faults() -> int | None:
+    """This process's minor page faults so far (None where getrusage is missing: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _cpu_reading():

@@ -15,6 +15,7 @@ projections x @ A^T are recomputed where their gradient needs them (the MeSP ins
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +26,7 @@ from edgetrain.methods.mesp.ops import (LinearWeights, LoRAGradients, causal_att
                                         linear_group_forward, linear_group_input_grad, lora_group_backward,
                                         rms_norm_backward, rms_norm_forward,
                                         rope_backward, rope_forward, swiglu_backward, swiglu_forward)
+from edgetrain.methods.mesp.step_buffers import fresh_allocations
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, rope_cos_sin
 from edgetrain.models.lora import LORA_TARGETS, LoRALinear
 from edgetrain.models.quantized import QuantizedLinear
@@ -101,10 +103,11 @@ def _check_chunk(name: str, value: int) -> None:
 
 
 def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq_len: int,
-                    rope: tuple[torch.Tensor, torch.Tensor], attention_chunk: int
+                    rope: tuple[torch.Tensor, torch.Tensor], attention_chunk: int, kept_output: bool = False
                     ) -> tuple[torch.Tensor, ...]:
     """x -> (q, k, v after RoPE, attention output o [B, H, T, hd], its [B*T, H*hd] view,
-    h1 = x + o_proj(o) flat, and the LoRA projections of q/k/v and o)."""
+    h1 = x + o_proj(o) flat, and the LoRA projections of q/k/v and o). kept_output: h1 becomes the block's
+    output, stored for the backward, so it is not one of the step's reused buffers (step_buffers.py)."""
     lin = weights.linears
     heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
     cos, sin = rope
@@ -116,7 +119,8 @@ def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq
     v = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
     attention = causal_attention_forward(q, k, v, attention_chunk)
     attention_flat = attention.transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
-    (h1,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
+    with fresh_allocations() if kept_output else nullcontext():
+        (h1,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
     h1.add_(flat_x)
     return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection
 
@@ -129,7 +133,7 @@ def block_forward(weights: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tens
     _check_chunk("mlp_chunk", mlp_chunk)
     batch, seq_len, dim = x.shape
     flat_x = x.reshape(batch * seq_len, dim)
-    h1 = _attention_half(weights, flat_x, batch, seq_len, rope, attention_chunk)[5]
+    h1 = _attention_half(weights, flat_x, batch, seq_len, rope, attention_chunk, kept_output=True)[5]
     lin = weights.linears
     for start in range(0, h1.shape[0], mlp_chunk):
         h1_chunk = h1[start:start + mlp_chunk]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from edgetrain.methods.mesp.ops import compute_dtype, rms_norm_backward, rms_norm_forward
+from edgetrain.methods.mesp.ops import compute_dtype, matmul, rms_norm_backward, rms_norm_forward
 from edgetrain.training.losses import IGNORE_INDEX
 
 # Vocabulary rows per tile: a [4096, hidden] block of W (14.7 MB for Qwen2.5-0.5B in fp32) stays in a
@@ -78,7 +78,7 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         other_weighted_rows = torch.zeros(rows, hidden.shape[-1], dtype=work, device=hidden.device)
         for vocab_start in range(0, vocab_size, vocab_chunk):
             weight_block = weight_rows(vocab_start, min(vocab_start + vocab_chunk, vocab_size))
-            logits = normed @ weight_block.t()
+            logits = matmul(normed, weight_block.t())
             if logits.dtype != work:  # lm_loss upcasts the model's logits the same way
                 logits = logits.to(work)
             in_tile = (safe_targets >= vocab_start) & (safe_targets < vocab_start + logits.shape[1])

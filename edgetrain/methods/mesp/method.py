@@ -25,6 +25,7 @@ from torch import nn
 
 from edgetrain.data.batch import Batch
 from edgetrain.methods.base import METHODS, apply_gradients, require_finite, trainable_parameters
+from edgetrain.methods.mesp import step_buffers
 from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_forward, rope_tables
 from edgetrain.methods.mesp.loss import chunked_lm_loss, default_vocab_chunk
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
@@ -99,6 +100,9 @@ class StructuredBackprop:
     attention_chunk / mlp_chunk / loss_chunk: query rows / tokens / tokens per chunk; smaller
         chunks lower the peak, larger ones run fewer, bigger matmuls.
     vocab_chunk: vocabulary rows per loss tile (default 4096; 512 for a quantised head on a CPU).
+    reuse_buffers: on a CPU, hand a step's large temporaries buffers it made earlier in the step once their
+        tensors are gone (step_buffers.py): identical results, without a fresh mapping (and its page faults)
+        per temporary. False allocates each as torch does.
     The options are edgetrain.methods.configs.MeSPConfig, shared with MLX's mesp.
     """
 
@@ -113,6 +117,7 @@ class StructuredBackprop:
         self.store_lora_projection = config.store_lora_projection
         self.attention_chunk, self.mlp_chunk, self.loss_chunk = config.attention_chunk, config.mlp_chunk, config.loss_chunk
         self.vocab_chunk = config.vocab_chunk
+        self.reuse_buffers = config.reuse_buffers
         check_decoder(model)
         self.model = model
         self.params = trainable_parameters(model)
@@ -155,6 +160,11 @@ class StructuredBackprop:
         block first, as soon as its gradients exist. Returns the detached loss.
         require_finite_loss: raise NonFiniteError on a NaN/inf loss before any gradient exists."""
         self._check_batch(batch)
+        reuse = self.reuse_buffers and step_buffers.available(batch.inputs.device)
+        with step_buffers.step_buffers(enabled=reuse):
+            return self._run(batch, on_block_gradients, require_finite_loss)
+
+    def _run(self, batch: Batch, on_block_gradients: BlockGradientsHook, require_finite_loss: bool) -> torch.Tensor:
         model, config = self.model, self.model.config
         chunks = dict(attention_chunk=self.attention_chunk, mlp_chunk=self.mlp_chunk)
         hidden = model.embed(batch.inputs)
@@ -164,6 +174,9 @@ class StructuredBackprop:
         for block_weights in weights:
             block_inputs.append(hidden)
             hidden = block_forward(block_weights, hidden, rope, **chunks)
+        # Each phase (forward, loss, backward) starts with no free buffers: what one phase left free would sit
+        # through the next one's peak, and their shapes differ (the loss's [tokens, vocabulary tile] tile).
+        step_buffers.release_free()
         head = model.head
         dense_head = type(head.lm_head) is nn.Linear
         loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps,
@@ -172,6 +185,7 @@ class StructuredBackprop:
         if require_finite_loss:
             require_finite(float(loss), "loss")
         del hidden
+        step_buffers.release_free()
         for index in reversed(range(len(weights))):
             block_input = block_inputs.pop()
             grad, block_grads = block_backward(weights[index], block_input, grad, rope, overwrite_grad_out=True,

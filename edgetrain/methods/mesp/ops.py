@@ -21,12 +21,30 @@ import torch
 import torch.nn.functional as F
 
 import edgetrain.training.precision as precision
+from edgetrain.methods.mesp import step_buffers
 
+# Each function below that allocates a large temporary asks step_buffers for it. Outside a step (a traced
+# export, a unit test) there is no pool and the plain expression runs; inside, the same arithmetic writes into
+# a reused buffer (the `out=` forms), so both give the same numbers bit for bit.
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half-precision inputs (softmax and reductions lose too much in bf16), else unchanged."""
     return precision.compute_dtype(dtype)
+
+
+def matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left @ right (2-D, or batched with equal batch shapes), written into a reused buffer inside a step."""
+    out = step_buffers.empty((*left.shape[:-1], right.shape[-1]), left.dtype, left.device)
+    return left @ right if out is None else torch.matmul(left, right, out=out)
+
+
+def contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor.contiguous(), the copy (when one is needed) into a reused buffer inside a step."""
+    if tensor.is_contiguous():
+        return tensor
+    out = step_buffers.empty(tensor.shape, tensor.dtype, tensor.device)
+    return tensor.contiguous() if out is None else out.copy_(tensor)
 
 
 def accumulate_matmul(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
@@ -43,9 +61,14 @@ def accumulate_matmul(accumulator: torch.Tensor, left: torch.Tensor, right: torc
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)), the normalisation in compute_dtype (as the model's RMSNorm) and rounded to
     x's dtype before the weight."""
-    work = x.to(precision.compute_dtype(x.dtype, weight.dtype))
-    normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    work_dtype = precision.compute_dtype(x.dtype, weight.dtype)
+    out = step_buffers.empty(x.shape, x.dtype, x.device) if x.dtype == work_dtype == weight.dtype else None
+    if out is None:
+        work = x.to(work_dtype)
+        normed = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype)
+    inverse_rms = torch.rsqrt(torch.pow(x, 2, out=out).mean(-1, keepdim=True) + eps)
+    return torch.mul(x, inverse_rms, out=out).mul_(weight)  # weight * normed, one buffer
 
 
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -55,6 +78,8 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     With r = 1/rms(x) and n = x r:  dx = r (g - n mean(g n)),  g = weight * dL/dy.
     """
     work_dtype = precision.compute_dtype(x.dtype, weight.dtype)
+    if x.dtype == work_dtype == weight.dtype == grad_out.dtype and step_buffers.active() is not None:
+        return _rms_norm_backward_in_buffers(x, weight, eps, grad_out)
     x32 = x.to(work_dtype)
     inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     grad_normed = (grad_out * weight).to(work_dtype)
@@ -62,6 +87,19 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     projection = (grad_normed * normed).mean(-1, keepdim=True)
     grad_x = grad_normed.sub_(normed.mul_(projection)).mul_(inv_rms)
     return grad_x.to(x.dtype)
+
+
+def _rms_norm_backward_in_buffers(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  grad_out: torch.Tensor) -> torch.Tensor:
+    """rms_norm_backward's arithmetic for one dtype throughout, in three reused buffers."""
+    normed = step_buffers.empty(x.shape, x.dtype, x.device)
+    inverse_rms = torch.rsqrt(torch.pow(x, 2, out=normed).mean(-1, keepdim=True) + eps)
+    grad_normed = torch.mul(grad_out, weight, out=step_buffers.empty(x.shape, x.dtype, x.device))
+    torch.mul(x, inverse_rms, out=normed)
+    products = torch.mul(grad_normed, normed, out=step_buffers.empty(x.shape, x.dtype, x.device))
+    projection = products.mean(-1, keepdim=True)
+    del products
+    return grad_normed.sub_(normed.mul_(projection)).mul_(inverse_rms)
 
 
 # -- RoPE ------------------------------------------------------------------------------------------
@@ -73,12 +111,42 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x cos + rotate_half(x) sin, with cos/sin [T, head_dim] broadcast over heads."""
-    return x * cos + rotate_half(x) * sin
+    out = step_buffers.empty(x.shape, x.dtype, x.device) if x.dtype == cos.dtype == sin.dtype else None
+    if out is None:
+        return x * cos + rotate_half(x) * sin
+    return _rotate_in_buffer(out, x, cos, sin, sign=-1)
 
 
 def rope_backward(grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE is a rotation per position, so its backward is the rotation by -theta."""
-    return grad_out * cos - rotate_half(grad_out) * sin
+    same_dtype = grad_out.dtype == cos.dtype == sin.dtype
+    out = step_buffers.empty_like(grad_out) if same_dtype else None
+    if out is None:
+        return grad_out * cos - rotate_half(grad_out) * sin
+    return _rotate_in_buffer(out, grad_out, cos, sin, sign=1)
+
+
+def _rotate_in_buffer(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      sign: int) -> torch.Tensor:
+    """x cos - sign rotate_half(x) sin written into `out` half by half, with one half-sized temporary: first
+    half x1 c1 + sign x2 s1, second half x2 c2 - sign x1 s2 (sign -1: rope_forward, +1: rope_backward). Each
+    product is rounded alone and then added, as in the plain form (negating is exact): the same bits."""
+    half = x.shape[-1] // 2
+    x1, x2, out1, out2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+    product = step_buffers.empty(x1.shape, x.dtype, x.device)
+    torch.mul(x1, cos[..., :half], out=out1)
+    torch.mul(x2, sin[..., :half], out=product)
+    if sign > 0:
+        out1.add_(product)
+    else:
+        out1.sub_(product)
+    torch.mul(x2, cos[..., half:], out=out2)
+    torch.mul(x1, sin[..., half:], out=product)
+    if sign > 0:
+        out2.sub_(product)
+    else:
+        out2.add_(product)
+    return out
 
 
 # -- grouped-query causal attention ------------------------------------------------------------------
@@ -87,7 +155,14 @@ def _query_chunk(q: torch.Tensor, start: int, stop: int, groups: int) -> torch.T
     """Rows start:stop of q [B, H, T, hd] as [B, KV, G*C, hd]: the G query heads that share a KV head
     become one batch of rows, so one matmul against that KV head serves them all (no repeated K/V)."""
     batch, heads, _, head_dim = q.shape
-    return q[:, :, start:stop].reshape(batch, heads // groups, groups * (stop - start), head_dim)
+    rows, kv_heads = stop - start, heads // groups
+    rows_of_q = q[:, :, start:stop]
+    out = None if rows_of_q.is_contiguous() else step_buffers.empty((batch, kv_heads, groups * rows, head_dim),
+                                                                      q.dtype, q.device)
+    if out is None:
+        return rows_of_q.reshape(batch, kv_heads, groups * rows, head_dim)
+    out.view(batch, kv_heads, groups, rows, head_dim).copy_(rows_of_q.view(batch, kv_heads, groups, rows, head_dim))
+    return out
 
 
 def _sequence_major_empty(batch: int, heads: int, groups: int, seq_len: int, head_dim: int,
@@ -95,7 +170,10 @@ def _sequence_major_empty(batch: int, heads: int, groups: int, seq_len: int, hea
     """An uninitialised [B, H, T, hd] result laid out as [B, T, H, hd] in memory -- so that
     .transpose(1, 2).reshape(B*T, H*hd), the o_proj input, is a free view -- and the same memory
     seen as [B, KV, G, T, hd] for writing query-chunk results."""
-    storage = torch.empty(batch, seq_len, heads // groups, groups, head_dim, dtype=dtype, device=device)
+    shape = (batch, seq_len, heads // groups, groups, head_dim)
+    storage = step_buffers.empty(shape, dtype, device)
+    if storage is None:
+        storage = torch.empty(shape, dtype=dtype, device=device)
     return storage.view(batch, seq_len, heads, head_dim).transpose(1, 2), storage.permute(0, 2, 3, 1, 4)
 
 
@@ -103,7 +181,7 @@ def _causal_probabilities(q_chunk: torch.Tensor, keys: torch.Tensor, start: int,
                           groups: int, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale) with the causal mask, for query rows start:stop against keys 0:stop.
     Returned shape [B, KV, G*C, stop]; computed in place on the one score buffer."""
-    scores = torch.matmul(q_chunk, keys.transpose(-1, -2)).mul_(scale)
+    scores = matmul(q_chunk, keys.transpose(-1, -2)).mul_(scale)
     rows = stop - start
     if rows > 1:
         # Query at position start+i may see keys 0..start+i: only the last `rows` key columns need a mask.
@@ -137,14 +215,14 @@ def causal_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     groups = _check_attention_shapes(q, k, v, chunk)
     batch, heads, seq_len, head_dim = q.shape
     work = compute_dtype(q.dtype)
-    keys, values = k.to(work).contiguous(), v.to(work).contiguous()
+    keys, values = contiguous(k.to(work)), contiguous(v.to(work))
     scale = 1.0 / math.sqrt(head_dim)
     out, out_by_group = _sequence_major_empty(batch, heads, groups, seq_len, head_dim, q.dtype, q.device)
     for start in range(0, seq_len, chunk):
         stop = min(start + chunk, seq_len)
         probs = _causal_probabilities(_query_chunk(q, start, stop, groups).to(work), keys[:, :, :stop],
                                       start, stop, groups, scale)
-        out_chunk = torch.matmul(probs, values[:, :, :stop])
+        out_chunk = matmul(probs, values[:, :, :stop])
         del probs
         out_by_group[:, :, :, start:stop] = out_chunk.view(batch, heads // groups, groups, stop - start, head_dim)
     return out
@@ -163,33 +241,43 @@ def causal_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch, heads, seq_len, head_dim = q.shape
     kv_heads = heads // groups
     work = compute_dtype(q.dtype)
-    keys, values = k.to(work).contiguous(), v.to(work).contiguous()
+    keys, values = contiguous(k.to(work)), contiguous(v.to(work))
     scale = 1.0 / math.sqrt(head_dim)
     grad_q, grad_q_by_group = _sequence_major_empty(batch, heads, groups, seq_len, head_dim, q.dtype, q.device)
-    grad_k = torch.zeros(keys.shape, dtype=work, device=q.device)
-    grad_v = torch.zeros(values.shape, dtype=work, device=q.device)
+    grad_k, grad_v = (_zeros(keys.shape, work, q.device) for _ in range(2))
     for start in range(0, seq_len, chunk):
         stop = min(start + chunk, seq_len)
         q_chunk = _query_chunk(q, start, stop, groups).to(work)
         grad_out_chunk = _query_chunk(grad_out, start, stop, groups).to(work)
-        correction = (grad_out_chunk * _query_chunk(out, start, stop, groups).to(work)).sum(-1, keepdim=True)
+        out_chunk = _query_chunk(out, start, stop, groups).to(work)
+        products = step_buffers.empty(out_chunk.shape, work, q.device)
+        products = grad_out_chunk * out_chunk if products is None else torch.mul(grad_out_chunk, out_chunk,
+                                                                                  out=products)
+        correction = products.sum(-1, keepdim=True)
+        del products, out_chunk
         probs = _causal_probabilities(q_chunk, keys[:, :, :stop], start, stop, groups, scale)
-        grad_v[:, :, :stop] += torch.matmul(probs.transpose(-1, -2), grad_out_chunk)
-        grad_scores = torch.matmul(grad_out_chunk, values[:, :, :stop].transpose(-1, -2))
+        grad_v[:, :, :stop] += matmul(probs.transpose(-1, -2), grad_out_chunk)
+        grad_scores = matmul(grad_out_chunk, values[:, :, :stop].transpose(-1, -2))
         grad_scores.sub_(correction).mul_(probs).mul_(scale)
         del probs
-        grad_q_chunk = torch.matmul(grad_scores, keys[:, :, :stop])
+        grad_q_chunk = matmul(grad_scores, keys[:, :, :stop])
         grad_q_by_group[:, :, :, start:stop] = grad_q_chunk.view(batch, kv_heads, groups, stop - start, head_dim)
-        grad_k[:, :, :stop] += torch.matmul(grad_scores.transpose(-1, -2), q_chunk)
+        grad_k[:, :, :stop] += matmul(grad_scores.transpose(-1, -2), q_chunk)
         del grad_scores
     return grad_q, grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = step_buffers.empty(shape, dtype, device)
+    return torch.zeros(shape, dtype=dtype, device=device) if out is None else out.zero_()
 
 
 # -- SwiGLU ----------------------------------------------------------------------------------------
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, overwrite_inputs: bool = False) -> torch.Tensor:
     """silu(gate) * up. overwrite_inputs=True computes it in gate's buffer (gate is consumed)."""
-    activation = F.silu(gate, inplace=overwrite_inputs)
+    out = None if overwrite_inputs else step_buffers.empty(gate.shape, gate.dtype, gate.device)
+    activation = F.silu(gate, inplace=overwrite_inputs) if out is None else torch._C._nn.silu(gate, out=out)
     return activation.mul_(up)
 
 
@@ -204,12 +292,18 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor
     """
     if not overwrite_inputs:
         gate, up, grad_out = gate.clone(), up.clone(), grad_out.clone()
-    derivative = torch.sigmoid(gate)
+    derivative = step_buffers.empty(gate.shape, gate.dtype, gate.device)
+    derivative = torch.sigmoid(gate) if derivative is None else torch.sigmoid(gate, out=derivative)
     silu = gate.mul_(derivative)
     grad_gate = up.mul_(grad_out)
     grad_up = grad_out.mul_(silu)
     derivative.addcmul_(derivative, silu, value=-1).add_(silu)  # sig - sig*silu + silu
     return grad_gate.mul_(derivative), grad_up
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = step_buffers.empty(shape, dtype, device)
+    return torch.empty(shape, dtype=dtype, device=device) if out is None else out
 
 
 # -- linear layers with optional LoRA ------------------------------------------------------------------
@@ -234,8 +328,11 @@ class LinearWeights:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b for a 2-D x."""
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        y = x.new_empty(x.shape[0], self.packed.rows)
+            out = None if self.bias is not None else step_buffers.empty((x.shape[0], self.weight.shape[0]), x.dtype,
+                                                                          x.device)
+            # F.linear without a bias is this mm; with one (an addmm) it is left alone, to stay that sum.
+            return F.linear(x, self.weight, self.bias) if out is None else torch.mm(x, self.weight.t(), out=out)
+        y = _empty((x.shape[0], self.packed.rows), x.dtype, x.device)
         for start, stop, tile in self.packed.scratch_tiles(x.dtype):
             torch.mm(x, tile.t(), out=y[:, start:stop])
         return y if self.bias is None else y.add_(self.bias)
@@ -243,9 +340,9 @@ class LinearWeights:
     def add_input_grad(self, grad_x: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
         """grad_x + grad W (grad W when grad_x is None; added in place otherwise)."""
         if self.packed is None:
-            return grad @ self.weight if grad_x is None else grad_x.addmm_(grad, self.weight)
+            return matmul(grad, self.weight) if grad_x is None else grad_x.addmm_(grad, self.weight)
         if grad_x is None:
-            grad_x = grad.new_zeros(grad.shape[0], self.packed.cols)
+            grad_x = _zeros((grad.shape[0], self.packed.cols), grad.dtype, grad.device)
         for start, stop, tile in self.packed.scratch_tiles(grad.dtype):
             grad_x.addmm_(grad[:, start:stop], tile)
         return grad_x

@@ -1,0 +1,169 @@
+"""mesp's reused step buffers (edgetrain/methods/mesp/step_buffers.py): the same numbers bit for bit, buffers
+handed out again only when nothing reads them, a peak near the plain step's, and each path forceable."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import edgetrain
+from edgetrain.methods import METHODS
+from edgetrain.methods.mesp import step_buffers
+from edgetrain.methods.mesp.block import BlockWeights, block_forward, rope_tables
+from edgetrain.probes import TensorAccountant
+from tests.methods.test_mesp_parity import RAGGED, random_batch, random_decoder, with_lora
+
+
+@pytest.fixture
+def every_temporary_pooled(monkeypatch):
+    """The test models' temporaries are a few KiB, below the size a step pools: pool them all, so that
+    every reuse (and every wrongful one) happens here."""
+    monkeypatch.setattr(step_buffers, "MIN_POOLED_BYTES", 0)
+
+
+def _gradients(model, batch, **options):
+    loss, grads = METHODS.get("mesp")(model, **options).gradients(batch)
+    return loss, grads
+
+
+def _assert_bit_equal(model, batch, **options):
+    plain_loss, plain = _gradients(model, batch, reuse_buffers=False, **options)
+    pooled_loss, pooled = _gradients(model, batch, **options)
+    assert torch.equal(plain_loss, pooled_loss)
+    assert plain.keys() == pooled.keys()
+    different = [name for name in plain if not torch.equal(plain[name], pooled[name])]
+    assert not different, different
+    assert all(g.abs().max() > 0 for g in plain.values())
+
+
+@pytest.mark.parametrize("chunks", [{}, RAGGED], ids=["default chunks", "ragged chunks"])
+def test_pooled_gradients_equal_the_plain_ones_bit_for_bit(every_temporary_pooled, chunks):
+    # GQA, q/k/v biases, an MLP bias and every projection adapted: every pooled site runs.
+    model = with_lora(random_decoder(3, attention_bias=True, mlp_bias=True, num_hidden_layers=3),
+                      targets=("q", "k", "v", "o", "gate", "up", "down"))
+    _assert_bit_equal(model, random_batch(97, batch=3, seq_len=23), **chunks)
+
+
+def test_pooled_gradients_equal_the_plain_ones_on_a_packed_base(every_temporary_pooled, text_batches):
+    torch.manual_seed(0)
+    model = edgetrain.load_model("tiny", quantize_bits=4)
+    edgetrain.add_lora(model, rank=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    _assert_bit_equal(model, text_batches(1, seq_len=48, batch_size=2)[0], mlp_chunk=40, attention_chunk=16)
+
+
+def test_pooled_training_steps_follow_the_plain_ones(tiny_lora, text_batches, every_temporary_pooled):
+    batches = text_batches(3, seq_len=32, batch_size=2)
+    weights = []
+    for reuse in (False, True):
+        learner = edgetrain.Learner(tiny_lora(seed=4), method="mesp", optimizer="adamw", lr=1e-2,
+                                    method_options={"reuse_buffers": reuse, "fused_update": True}, probe=False)
+        losses = [learner.step(batch).loss for batch in batches]
+        weights.append((losses, {k: p.detach().clone() for k, p in learner.params.items()}))
+    (plain_losses, plain), (pooled_losses, pooled) = weights
+    assert plain_losses == pooled_losses
+    assert all(torch.equal(plain[k], pooled[k]) for k in plain)
+
+
+def test_a_buffer_is_handed_out_again_only_once_nothing_reads_it():
+    buffers = step_buffers.StepBuffers(min_bytes=0)
+    first = buffers.empty((4, 8), torch.float32, torch.device("cpu"))
+    view = first[1:].t()  # a view keeps the memory taken after its base is gone
+    del first
+    second = buffers.empty((4, 8), torch.float32, torch.device("cpu"))
+    assert buffers.allocated == 2 and buffers.reused == 0
+    del view
+    third = buffers.empty((32,), torch.float32, torch.device("cpu"))
+    assert buffers.reused == 1 and buffers.allocated == 2
+    smaller = buffers.empty((3, 5), torch.float32, torch.device("cpu"))  # the smallest free buffer that holds it
+    assert smaller.shape == (3, 5) and smaller.is_contiguous() and buffers.allocated == 3
+    del second, third, smaller
+    assert buffers.empty((3, 5), torch.float32, torch.device("cpu")).shape == (3, 5) and buffers.allocated == 3
+    # Another dtype never shares a buffer.
+    buffers.empty((4, 8), torch.float64, torch.device("cpu"))
+    assert buffers.allocated == 4
+
+
+def test_small_requests_and_released_buffers_are_left_to_the_allocator():
+    buffers = step_buffers.StepBuffers(min_bytes=1024)
+    buffers.empty((8,), torch.float32, torch.device("cpu"))
+    assert buffers.allocated == 0 and buffers.held_bytes() == 0
+    kept = buffers.empty((512,), torch.float32, torch.device("cpu"))
+    buffers.empty((512,), torch.float32, torch.device("cpu"))
+    assert buffers.held_bytes() == 2 * 2048
+    buffers.release_free()
+    assert buffers.held_bytes() == 2048 and kept.numel() == 512
+
+
+def test_pooled_like_a_tensor_keeps_its_memory_order(every_temporary_pooled):
+    sequence_major = torch.empty(2, 5, 3, 4).transpose(1, 2)  # [B, H, T, hd] laid out as [B, T, H, hd]
+    with step_buffers.step_buffers():
+        like = step_buffers.empty_like(sequence_major)
+        assert like.shape == sequence_major.shape and like.stride() == sequence_major.stride()
+        assert step_buffers.empty_like(torch.empty(3, 4)).is_contiguous()
+    assert step_buffers.empty_like(sequence_major) is None and step_buffers.empty((3,), torch.float32, "cpu") is None
+
+
+def test_outside_a_step_and_off_the_cpu_the_plain_allocator_runs(monkeypatch, tiny_lora, text_batches):
+    assert step_buffers.active() is None
+    assert step_buffers.available(torch.device("cpu"))
+    assert not step_buffers.available(torch.device("cuda"))
+    monkeypatch.setattr(step_buffers, "_storage_use_count", None)  # a torch without the use count
+    assert not step_buffers.available(torch.device("cpu"))
+    with step_buffers.step_buffers() as buffers:
+        assert buffers is None and step_buffers.active() is None
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_option_forces_each_path(monkeypatch, tiny_lora, text_batches, reuse):
+    seen = []
+    real = step_buffers.step_buffers
+
+    def spy(enabled=True):
+        seen.append(enabled)
+        return real(enabled)
+
+    monkeypatch.setattr(step_buffers, "step_buffers", spy)
+    METHODS.get("mesp")(tiny_lora(), reuse_buffers=reuse).gradients(text_batches(1, seq_len=16, batch_size=2)[0])
+    assert seen == [reuse]
+
+
+def test_a_stored_block_output_is_not_a_step_buffer(every_temporary_pooled):
+    model = with_lora(random_decoder(5))
+    weights = BlockWeights.from_block(model.blocks[0])
+    x = torch.randn(2, 7, 48)
+    rope = rope_tables(model.config, 7, x.device, x.dtype)
+    with step_buffers.step_buffers() as buffers:
+        output = block_forward(weights, x, rope, attention_chunk=4, mlp_chunk=5)
+        held = {entry[1].data_ptr() for entries in buffers._buffers.values() for entry in entries}
+        assert buffers.reused > 0
+    assert output.data_ptr() not in held
+
+
+def test_the_pooled_step_peak_stays_near_the_plain_one(monkeypatch):
+    """Tensor accounting counts the pool's buffers, free ones included. A step's phases (forward, loss,
+    backward) each start with no free buffers, so what one phase left free does not sit through the next
+    one's peak (here the loss: a vocabulary of 3,000 makes its tile the largest tensor)."""
+    model = with_lora(random_decoder(7, num_hidden_layers=8, hidden_size=192, intermediate_size=512,
+                                     vocab_size=3000, num_attention_heads=6, num_key_value_heads=2, head_dim=32))
+    batch = random_batch(3000, batch=2, seq_len=96)
+    pools = []
+    made = step_buffers.StepBuffers.__init__
+
+    def record(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        pools.append(self)
+
+    monkeypatch.setattr(step_buffers.StepBuffers, "__init__", record)
+    peaks = {}
+    for reuse in (False, True):
+        method = METHODS.get("mesp")(model, reuse_buffers=reuse)
+        method.gradients(batch)
+        with TensorAccountant(model) as accountant:
+            accountant.reset_peak()
+            method.gradients(batch)
+            peaks[reuse] = accountant.report().peak_above_baseline_bytes
+    assert pools[-1].reused > 10 * pools[-1].allocated > 0  # the default pooling threshold pooled this model
+    assert peaks[True] <= 1.1 * peaks[False], peaks
