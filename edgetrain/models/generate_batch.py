@@ -44,13 +44,30 @@ def prompt_mask(lengths: Sequence[int], width: int, device: torch.device) -> tup
     return key_is_token, visible[:, None]
 
 
+# The key/value cache holds (prompt + answer) positions x blocks x 2 x the key/value width for every row: for
+# SmolLM2-135M in fp32 about 5 MB a row at 60 + 48 positions, so 32 prompts at once held 159 MB, and the
+# personaliser's retain set made `personalise run` peak 75 MiB above the same run without it. Prompts are
+# answered in groups whose cache stays within this budget; each group shares one dequantisation a token. At
+# 48 MiB that run peaked 2 MiB above the unguarded one in 1.05x the time of one batch (24 MiB: +1 MiB, 1.7x).
+CACHE_BUDGET_BYTES = 48 * 2**20
+
+
+def cache_bytes_per_row(model: nn.Module, positions: int) -> int:
+    """What one row's key/value cache holds at `positions` positions."""
+    config = model.config
+    itemsize = model.head.norm.weight.element_size()  # the hidden states' dtype, which the cache keeps
+    return positions * len(model.blocks) * 2 * config.num_key_value_heads * config.head_dim * itemsize
+
+
 @torch.no_grad()
 def greedy_answers(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    stop_ids: Iterable[int] = (), pad_id: int = 0,
-                   interrupted: Callable[[], bool] | None = None) -> list[list[int]]:
+                   interrupted: Callable[[], bool] | None = None,
+                   cache_budget_bytes: int = CACHE_BUDGET_BYTES) -> list[list[int]]:
     """The greedy continuation of each prompt (token ids), at most `max_new_tokens` each, cut before the first
     of `stop_ids` (not included). `interrupted()` is read before every new token: when it says so, this
-    raises InterruptedError and nothing is returned."""
+    raises InterruptedError and nothing is returned. Prompts of similar length are answered together, as many
+    at once as keep the key/value cache within `cache_budget_bytes` (at least one)."""
     if not is_block_decoder(model):
         raise EdgetrainError(f"greedy_answers needs a torch decoder language model; got {type(model).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -59,7 +76,28 @@ def greedy_answers(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_t
         return []
     for prompt in prompts:
         check_prompt(prompt, model.config.vocab_size)
-    stops = set(stop_ids)
+    answers: list[list[int]] = [[] for _ in prompts]
+    by_length = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
+    start = 0
+    while start < len(by_length):
+        # The longest prompt of a group sets its width; shorter ones first keep the groups' padding small.
+        count = 1
+        while start + count < len(by_length):
+            width = len(prompts[by_length[start + count]])
+            if (count + 1) * cache_bytes_per_row(model, width + max_new_tokens) > cache_budget_bytes:
+                break
+            count += 1
+        group = by_length[start:start + count]
+        for index, answer in zip(group, _answer_group(model, [prompts[i] for i in group], max_new_tokens,
+                                                      set(stop_ids), pad_id, interrupted)):
+            answers[index] = answer
+        start += count
+    return answers
+
+
+def _answer_group(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: set[int],
+                  pad_id: int, interrupted: Callable[[], bool] | None) -> list[list[int]]:
+    """greedy_answers for prompts answered in one batch."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     token_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)

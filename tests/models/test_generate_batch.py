@@ -102,3 +102,36 @@ def test_an_interruption_ends_it_and_bad_prompts_are_refused():
     with pytest.raises(EdgetrainError, match="decoder"):
         greedy_answers(edgetrain.load_model("mlp-digits"), PROMPTS, 4)
     assert greedy_answers(model, [], 4) == []
+
+
+def test_prompts_are_answered_in_groups_whose_cache_fits_the_budget(monkeypatch):
+    """A cache for every prompt at once outgrew a training step (the personaliser's retain set: 32 prompts,
+    159 MB on SmolLM2): prompts of similar length go together, as many as fit `cache_budget_bytes`, and the
+    answers come back in the prompts' order, equal to one prompt at a time."""
+    from edgetrain.models import generate_batch
+
+    model = _model()
+    groups = []
+    answer_group = generate_batch._answer_group
+
+    def spy(model, prompts, *args):
+        groups.append([len(p) for p in prompts])
+        return answer_group(model, prompts, *args)
+
+    monkeypatch.setattr(generate_batch, "_answer_group", spy)
+    per_row = generate_batch.cache_bytes_per_row(model, max(map(len, PROMPTS)) + 8)
+    answers = greedy_answers(model, PROMPTS, 8, cache_budget_bytes=2 * per_row)
+    assert answers == [generate_ids(model, prompt, 8) for prompt in PROMPTS]
+    assert groups == [[1, 2], [5, 11]]  # shortest first, two rows a group
+    for group in groups:
+        assert len(group) * generate_batch.cache_bytes_per_row(model, max(group) + 8) <= 2 * per_row
+    groups.clear()
+    assert greedy_answers(model, PROMPTS, 8, cache_budget_bytes=1) == answers  # at least one row a group
+    assert groups == [[1], [2], [5], [11]]
+    groups.clear()
+    greedy_answers(model, PROMPTS, 8)  # the default budget holds these tiny rows all at once
+    assert groups == [[1, 2, 5, 11]]
+    # positions x blocks x keys and values x the key/value width x 8 bytes (float64)
+    config = model.config
+    assert generate_batch.cache_bytes_per_row(model, 10) == (10 * len(model.blocks) * 2 * config.num_key_value_heads
+                                                             * config.head_dim * 8)
