@@ -39,6 +39,27 @@ def test_gradients_on_the_gpu_equal_the_cpus(method, dtype, tolerance, tiny_lora
     assert _relative_error(gpu_grads, cpu_grads) <= tolerance
 
 
+@pytest.mark.parametrize("quantize_bits", [None, 4])
+def test_mesps_compiled_blocks_on_the_gpu_give_the_cpus_gradients_step_after_step(quantize_bits, text_batches):
+    """compile_blocks on CUDA: the block programs compiled in mode "reduce-overhead" (CUDA graphs), against
+    eager mesp on the CPU; three steps, so the graphs are replayed, not only recorded. Written before a GPU was
+    lent (edgetrain/methods/mesp/compiled.py); tools/gpu_check.sh runs it."""
+    torch.manual_seed(0)
+    cpu_model = edgetrain.load_model("tiny", quantize_bits=quantize_bits)
+    edgetrain.add_lora(cpu_model, rank=4)
+    with torch.no_grad():
+        for name, parameter in cpu_model.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    batches = text_batches(3, seq_len=64, batch_size=2)
+    for batch in batches:
+        cpu_loss, cpu_grads = METHODS.get("mesp")(cpu_model).gradients(batch)
+        gpu_loss, gpu_grads = METHODS.get("mesp")(gpu_model, compile_blocks=True).gradients(batch.to("cuda"))
+        assert abs(float(gpu_loss) - float(cpu_loss)) <= 1e-4 * abs(float(cpu_loss))
+        assert _relative_error(gpu_grads, cpu_grads) <= 1e-4
+
+
 def test_mezos_estimate_on_the_gpu_is_the_derivative_along_its_gpu_drawn_z(tiny_lora, text_batches):
     batch = text_batches(1, seq_len=32, batch_size=2)[0].to("cuda")
     model = tiny_lora(rank=4).double().cuda()

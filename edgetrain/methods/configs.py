@@ -36,6 +36,9 @@ class MeSPConfig:
     # torch on a CPU: a step's large temporaries reuse buffers whose tensors are gone (mesp/step_buffers.py);
     # the same numbers, without a page fault per fresh temporary. MLX's allocator caches its own buffers.
     reuse_buffers: bool = _checked(flag_option, True)
+    # torch: run each block's forward and backward as programs compiled once for all blocks (mesp/compiled.py);
+    # not built for MLX, which refuses it
+    compile_blocks: bool = _checked(flag_option, False)
 
 
 @dataclass(frozen=True)

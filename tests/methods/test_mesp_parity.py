@@ -276,7 +276,7 @@ def test_checkpoint_saved_by_transformers_matches_bp(tmp_path, model_type):
 def test_fused_step_with_a_late_non_finite_gradient(tiny_lora, text_batches, monkeypatch, rollback):
     """Block 0's gradients come last; when they are NaN the other blocks were already updated. With
     rollback (the default) the learner restores the last good step; without, the step still raises."""
-    import edgetrain.methods.mesp.method as mesp_method
+    import edgetrain.methods.mesp.compiled as mesp_programs  # where a step takes its block programs from
     from edgetrain.methods.base import TrainingError
 
     model = tiny_lora()
@@ -285,7 +285,7 @@ def test_fused_step_with_a_late_non_finite_gradient(tiny_lora, text_batches, mon
     batches = text_batches(2)
     learner.step(batches[0])
     good = {name: p.detach().clone() for name, p in learner.params.items()}
-    real_backward, calls = mesp_method.block_backward, []
+    real_backward, calls = mesp_programs.block_backward, []
 
     def poisoned(*args, **kwargs):
         grad, grads = real_backward(*args, **kwargs)
@@ -294,7 +294,7 @@ def test_fused_step_with_a_late_non_finite_gradient(tiny_lora, text_batches, mon
             grads = {name: g * float("nan") for name, g in grads.items()}
         return grad, grads
 
-    monkeypatch.setattr(mesp_method, "block_backward", poisoned)
+    monkeypatch.setattr(mesp_programs, "block_backward", poisoned)
     with pytest.raises(TrainingError, match="non-finite gradient"):
         learner.step(batches[1])
     changed = {name for name, p in learner.params.items() if not torch.equal(p, good[name])}

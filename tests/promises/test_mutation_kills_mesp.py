@@ -236,14 +236,16 @@ def test_the_backward_walk_keeps_one_residual_gradient_buffer_for_all_blocks(mon
     # Each block's dL/dx is written into the buffer that held dL/d(its output): the residual stream's
     # gradient is one [B, T, D] buffer from the loss to the embedding, never one per block.
     model = small_decoder(num_hidden_layers=3)
-    real_backward, buffers = mesp_method.block_backward, []
+    import edgetrain.methods.mesp.compiled as mesp_programs  # where a step takes its block programs from
+
+    real_backward, buffers = mesp_programs.block_backward, []
 
     def recording(weights, x, grad_out, rope, **kwargs):
         grad_x, grads = real_backward(weights, x, grad_out, rope, **kwargs)
         buffers.append((grad_out.data_ptr(), grad_x.data_ptr()))
         return grad_x, grads
 
-    monkeypatch.setattr(mesp_method, "block_backward", recording)
+    monkeypatch.setattr(mesp_programs, "block_backward", recording)
     METHODS.get("mesp")(model).gradients(token_batch())
     assert len(buffers) == 3
     assert len({pointer for pair in buffers for pointer in pair}) == 1

@@ -67,7 +67,7 @@ def mesp_loss_times(value: float) -> Fault:
 def mesp_gradients(make: Callable[[torch.Tensor], torch.Tensor]) -> Fault:
     """Block 0's hand-derived adapter gradients replaced by make(gradient). The backward walks the
     blocks last to first, so with a fused update blocks 3, 2, 1 are already stepped when block 0 fails."""
-    import edgetrain.methods.mesp.method as mesp
+    import edgetrain.methods.mesp.compiled as mesp  # where a step takes its block programs from
 
     def install(learner: edgetrain.Learner, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
         real, calls = mesp.block_backward, []

@@ -119,7 +119,7 @@ def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq
     v = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
     attention = causal_attention_forward(q, k, v, attention_chunk)
     attention_flat = attention.transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
-    with fresh_allocations() if kept_output else nullcontext():
+    with fresh_allocations() if kept_output and not torch.compiler.is_compiling() else nullcontext():
         (h1,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
     h1.add_(flat_x)
     return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection
@@ -180,7 +180,7 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
     flat_x = x.reshape(batch * seq_len, dim)
     # The residual stream's gradient: dL/d(output), then dL/dh1, then dL/dx, all in one buffer.
     flat_grad = grad_out.reshape(batch * seq_len, dim)
-    if not overwrite_grad_out and flat_grad.data_ptr() == grad_out.data_ptr():
+    if not overwrite_grad_out:  # (a copy too many where reshape already copied: only for a strided grad_out)
         flat_grad = flat_grad.clone()
 
     q, k, v, attention, attention_flat, h1, qkv_projection, o_projection = _attention_half(

@@ -26,7 +26,8 @@ from torch import nn
 from edgetrain.data.batch import Batch
 from edgetrain.methods.base import METHODS, apply_gradients, require_finite, trainable_parameters
 from edgetrain.methods.mesp import step_buffers
-from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_forward, rope_tables
+from edgetrain.methods.mesp.block import BlockWeights, rope_tables
+from edgetrain.methods.mesp.compiled import block_programs
 from edgetrain.methods.mesp.loss import chunked_lm_loss, default_vocab_chunk
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
 from edgetrain.models.lora import LoRALinear
@@ -103,6 +104,9 @@ class StructuredBackprop:
     reuse_buffers: on a CPU, hand a step's large temporaries buffers it made earlier in the step once their
         tensors are gone (step_buffers.py): identical results, without a fresh mapping (and its page faults)
         per temporary. False allocates each as torch does.
+    compile_blocks: run every block's forward and backward as two programs compiled once (torch.compile;
+        compiled.py): on a GPU replayed as CUDA graphs. Off by default: a compile on the first step, and
+        results within 1e-5 of eager rather than bit-equal.
     The options are edgetrain.methods.configs.MeSPConfig, shared with MLX's mesp.
     """
 
@@ -118,6 +122,7 @@ class StructuredBackprop:
         self.attention_chunk, self.mlp_chunk, self.loss_chunk = config.attention_chunk, config.mlp_chunk, config.loss_chunk
         self.vocab_chunk = config.vocab_chunk
         self.reuse_buffers = config.reuse_buffers
+        self.compile_blocks = config.compile_blocks
         check_decoder(model)
         self.model = model
         self.params = trainable_parameters(model)
@@ -170,10 +175,11 @@ class StructuredBackprop:
         hidden = model.embed(batch.inputs)
         rope = rope_tables(config, hidden.shape[1], hidden.device, hidden.dtype)
         weights = [BlockWeights.from_block(block, f"blocks.{i}") for i, block in enumerate(model.blocks)]
+        forward, backward = block_programs(hidden.device, self.compile_blocks)
         block_inputs: list[torch.Tensor] = []
         for block_weights in weights:
             block_inputs.append(hidden)
-            hidden = block_forward(block_weights, hidden, rope, **chunks)
+            hidden = forward(block_weights, hidden, rope, **chunks)
         # Each phase (forward, loss, backward) starts with no free buffers: what one phase left free would sit
         # through the next one's peak, and their shapes differ (the loss's [tokens, vocabulary tile] tile).
         step_buffers.release_free()
@@ -188,8 +194,10 @@ class StructuredBackprop:
         step_buffers.release_free()
         for index in reversed(range(len(weights))):
             block_input = block_inputs.pop()
-            grad, block_grads = block_backward(weights[index], block_input, grad, rope, overwrite_grad_out=True,
-                                               store_lora_projection=self.store_lora_projection, **chunks)
+            # A compiled program that wrote into its input could not be replayed as a CUDA graph.
+            grad, block_grads = backward(weights[index], block_input, grad, rope,
+                                         overwrite_grad_out=not self.compile_blocks,
+                                         store_lora_projection=self.store_lora_projection, **chunks)
             del block_input
             names = self._names[index]
             on_block_gradients(index, {names[local]: g for local, g in block_grads.items() if local in names})

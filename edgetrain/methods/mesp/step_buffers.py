@@ -113,12 +113,16 @@ def fresh_allocations() -> Iterator[None]:
 
 
 def active() -> StepBuffers | None:
+    # Compiled block programs (edgetrain/methods/mesp/compiled.py) allocate through the compiler, which plans
+    # their buffers itself; the pool is not consulted while tracing (nor could it be: ContextVar is opaque to it).
+    if torch.compiler.is_compiling():
+        return None
     return _ACTIVE.get()
 
 
 def release_free() -> None:
     """Drop the active pool's free buffers: at a phase boundary, where the shapes the step needs change."""
-    buffers = _ACTIVE.get()
+    buffers = active()
     if buffers is not None:
         buffers.release_free()
 
@@ -126,7 +130,7 @@ def release_free() -> None:
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """A pooled buffer for `shape`, or None when no pool is active (the caller then runs its plain form, so
     that a traced program, edgetrain/export/mesp_graph.py, keeps its functional graph)."""
-    buffers = _ACTIVE.get()
+    buffers = active()
     return None if buffers is None else buffers.empty(shape, dtype, device)
 
 
@@ -145,7 +149,7 @@ def _dense_order(tensor: torch.Tensor) -> list[int] | None:
 def empty_like(tensor: torch.Tensor) -> torch.Tensor | None:
     """A pooled buffer shaped like `tensor` and laid out as it is (as torch.empty_like keeps a dense
     tensor's strides), or None when no pool is active."""
-    buffers = _ACTIVE.get()
+    buffers = active()
     if buffers is None:
         return None
     order = None if tensor.is_contiguous() else _dense_order(tensor)

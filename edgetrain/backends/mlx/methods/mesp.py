@@ -115,6 +115,9 @@ class StructuredBackprop:
         if not isinstance(model, MLXDecoder):
             raise EdgetrainError(f"MLX mesp works on MLX decoders (edgetrain.backends.mlx.model.MLXDecoder), "
                                  f"not a {type(model).__name__}; use 'mebp' or 'bp' for other models")
+        if config.compile_blocks:
+            raise EdgetrainError("mesp: compile_blocks compiles torch's block programs (torch.compile); MLX's mesp "
+                                 "has no compiled path yet: leave it off on MLX")
         self.fused_update, self.rollback = config.fused_update, config.rollback
         self.store_lora_projection = config.store_lora_projection
         self.attention_chunk, self.mlp_chunk, self.loss_chunk = config.attention_chunk, config.mlp_chunk, config.loss_chunk
