@@ -17,7 +17,8 @@ timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rs \
     tests/methods/test_asyncfgd.py::test_cuda_streams_give_the_reference_schedulers_weights \
     tests/promises/test_mutation_kills_asyncfgd.py::test_cuda_stream_workers_issue_each_modules_kernels_on_its_own_stream \
     2>&1 | tee "$out/pytest.log"
-timeout 120 python3 tools/bench_fgd.py --only cuda --repeats 20 --json "$out/bench_fgd_cuda.json" \
+# K = 1, 2, 3 at the paper's batch 4 and at 32 (its appendix's larger batches: launches dominate less).
+timeout 180 python3 tools/bench_fgd.py --only cuda --repeats 20 --cuda-batch-sizes 4,32 --json "$out/bench_fgd_cuda.json" \
     2>&1 | tee "$out/bench_fgd_cuda.log"
 timeout 150 python3 -m edgetrain.cli profile --backend torch-cuda --model qwen2.5-0.5b --seq 256 --steps 3 \
     --methods bp,mebp,mezo,mesp --json "$out/profile_cuda.jsonl" 2>&1 | tee "$out/profile_cuda.log"
