@@ -45,9 +45,9 @@ def text_batches():
 
 @pytest.fixture
 def tiny_lora():
-    def build(rank: int = 4, seed: int = 0, random_b: bool = True, **lora):
+    def build(rank: int = 4, seed: int = 0, random_b: bool = True, quantize_bits: int | None = None, **lora):
         torch.manual_seed(seed)
-        model = edgetrain.load_model("tiny")
+        model = edgetrain.load_model("tiny", quantize_bits=quantize_bits)
         edgetrain.add_lora(model, rank=rank, **lora)
         if random_b:
             random_lora_b(model, seed + 1, 0.02)

@@ -40,17 +40,12 @@ def test_gradients_on_the_gpu_equal_the_cpus(method, dtype, tolerance, tiny_lora
 
 
 @pytest.mark.parametrize("quantize_bits", [None, 4])
-def test_mesps_compiled_blocks_on_the_gpu_give_the_cpus_gradients_step_after_step(quantize_bits, text_batches):
+def test_mesps_compiled_blocks_on_the_gpu_give_the_cpus_gradients_step_after_step(quantize_bits, tiny_lora,
+                                                                                 text_batches):
     """compile_blocks on CUDA: the block programs compiled in mode "reduce-overhead" (CUDA graphs), against
     eager mesp on the CPU; three steps, so the graphs are replayed, not only recorded. Written before a GPU was
     lent (edgetrain/methods/mesp/compiled.py); tools/gpu_check.sh runs it."""
-    torch.manual_seed(0)
-    cpu_model = edgetrain.load_model("tiny", quantize_bits=quantize_bits)
-    edgetrain.add_lora(cpu_model, rank=4)
-    with torch.no_grad():
-        for name, parameter in cpu_model.named_parameters():
-            if name.endswith("lora_B"):
-                parameter.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    cpu_model = tiny_lora(quantize_bits=quantize_bits)
     gpu_model = copy.deepcopy(cpu_model).cuda()
     batches = text_batches(3, seq_len=64, batch_size=2)
     for batch in batches:

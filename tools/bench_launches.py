@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import edgetrain  # noqa: E402
-from edgetrain.data.batch import Batch  # noqa: E402
+from edgetrain.profiler.batches import build_batch  # noqa: E402
+from edgetrain.profiler.config import ProfileConfig  # noqa: E402
 
 ARMS = {"bp": ("bp", {}), "mebp": ("mebp", {}), "mesp": ("mesp", {}),
         "mesp:compiled": ("mesp", {"compile_blocks": True})}
@@ -59,9 +60,7 @@ def measure(arm: str, args: argparse.Namespace, device: torch.device) -> dict:
     edgetrain.add_lora(model, rank=args.rank)
     learner = edgetrain.Learner(model, method=method, backend="torch-cuda" if device.type == "cuda" else "torch-cpu",
                                 optimizer="sgd", lr=1e-5, method_options=options, probe=False)
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=generator)
-    batch = Batch(inputs=inputs, targets=torch.roll(inputs, -1, 1), index=0)
+    batch = build_batch(model, ProfileConfig(model=args.model, seq=args.seq, batch=args.batch))  # as profile's
     started = time.perf_counter()
     for _ in range(args.warmup):
         learner.step(batch)

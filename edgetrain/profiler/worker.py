@@ -183,7 +183,9 @@ def _apply_threads(threads) -> None:
         return
     import torch
 
-    torch.set_num_threads(threads if isinstance(threads, int) else threads.choose())
+    from edgetrain.training.threads import thread_count
+
+    torch.set_num_threads(thread_count(threads))
 
 
 def _minor_faults() -> int | None:

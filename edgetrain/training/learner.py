@@ -47,7 +47,7 @@ from edgetrain.training.fit_loop import fit_stream, format_progress, stats_dict 
 from edgetrain.training.gradient_steps import check_accumulation, check_gradient_step_method, micro_batches
 from edgetrain.training.schedules import LRSchedule, check_learning_rate, check_same_schedule
 from edgetrain.training.stats import StepStats
-from edgetrain.training.threads import thread_fitter
+from edgetrain.training.threads import thread_count, thread_fitter
 from edgetrain.utils.logs import get_logger
 from edgetrain.utils.memory_sizes import parse_bytes
 
@@ -229,7 +229,7 @@ class Learner:
         every step; other work on the learner's model (the personaliser's generation) calls it too."""
         if self.threads is None:
             return None
-        count = self.threads if isinstance(self.threads, int) else self.threads.choose()
+        count = thread_count(self.threads)
         if not self.engine.set_threads(count):
             log.warning("threads=%r: the %s backend sizes its own thread pool; left as it is",
                         self.threads if isinstance(self.threads, int) else "auto", self.backend.name)

@@ -134,6 +134,11 @@ def thread_fitter(threads: "int | str | ThreadFitter | None") -> ThreadFitter | 
     return threads
 
 
+def thread_count(threads: "int | ThreadFitter") -> int:
+    """The count a learner's `threads` (as thread_fitter returns it, not None) gives for the coming work."""
+    return threads if isinstance(threads, int) else threads.choose()
+
+
 def threads_flag(text: str) -> int | str:
     """argparse type of a --threads flag: "auto" or a positive whole number."""
     import argparse

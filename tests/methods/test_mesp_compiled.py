@@ -90,14 +90,8 @@ def test_compiled_gradients_match_eager_and_bp():
 
 
 @pytest.mark.slow
-def test_compiled_gradients_on_a_packed_base_match_eager(text_batches):
-    torch.manual_seed(0)
-    model = edgetrain.load_model("tiny", quantize_bits=4)
-    edgetrain.add_lora(model, rank=4)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("lora_B"):
-                parameter.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+def test_compiled_gradients_on_a_packed_base_match_eager(tiny_lora, text_batches):
+    model = tiny_lora(quantize_bits=4)
     batch = text_batches(1, seq_len=32, batch_size=2)[0]
     eager_loss, eager = METHODS.get("mesp")(model).gradients(batch)
     loss, grads = METHODS.get("mesp")(model, compile_blocks=True).gradients(batch)
