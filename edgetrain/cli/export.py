@@ -38,8 +38,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "methods (embedding, block forward, block backward, head, AdamW) over a weights "
                              "file beside the .pte, the frozen base kept packed as loaded (decoders with LoRA)")
     parser.add_argument("--delegate", default="xnnpack",
-                        help="with --method mesp --runtime executorch: lower the matrix products to XNNPACK "
-                             "(xnnpack, the default) or leave them to ExecuTorch's own CPU kernels (none)")
+                        help="with --method mesp --runtime executorch: lower the matrix products and tensor "
+                             "operators to XNNPACK (xnnpack, the default) or leave them to ExecuTorch's own CPU "
+                             "kernels (none)")
     parser.add_argument("--quantize-bits", type=int, choices=(4, 8), default=None, metavar="N",
                         help="with --method mesp: quantise the base's dense matrices to N bits on load")
     parser.add_argument("--out", required=True, help="the .pte file (executorch) or a directory (onnxruntime)")

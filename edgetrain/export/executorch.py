@@ -14,6 +14,7 @@ targets/executorch/runner.cpp does without Python).
 """
 from __future__ import annotations
 
+import operator
 import re
 import warnings
 from pathlib import Path
@@ -126,6 +127,60 @@ def _linear_for_transposed_products(graph_module: torch.fx.GraphModule) -> int:
     return _rewrite_nodes(graph_module, torch.ops.aten.mm.default, _linear_if_transposed)
 
 
+def _traced_order_key(graph_module: torch.fx.GraphModule, node: torch.fx.Node, keys: dict) -> float:
+    """Where `node` stood in the traced graph: to_edge numbers every operator in order (its debug handle); a
+    delegate call stands where the first operator it runs stood."""
+    from executorch.exir.delegate import executorch_call_delegate
+
+    if node.op in ("placeholder", "get_attr"):
+        return -1.0
+    if node.target is operator.getitem:
+        return keys[node.args[0]]
+    if node.target is executorch_call_delegate:
+        inner = getattr(graph_module, node.args[0].target).original_module.graph_module.graph.nodes
+        handles = [n.meta["debug_handle"] for n in inner if n.op == "call_function" and "debug_handle" in n.meta]
+        if handles:
+            return float(min(handles))
+    elif isinstance(node.meta.get("debug_handle"), int):
+        return float(node.meta["debug_handle"])
+    return max((keys[source] for source in node.all_input_nodes), default=-1.0)
+
+
+def _restore_traced_order(graph_module: torch.fx.GraphModule) -> None:
+    """Put a lowered method's operators back in the order they were traced in. Lowering to a delegate re-sorts
+    the graph breadth-first, which hoists everything that depends only on the method's inputs (each slice of a
+    packed table, its nibbles, the delegate calls on them) to the front, where all of them are alive at once:
+    a SmolLM2 head's memory plan went from 53 to 223 MiB. This is a topological sort that always takes the
+    ready operator traced first."""
+    import heapq
+
+    graph = graph_module.graph
+    nodes = list(graph.nodes)
+    keys: dict[torch.fx.Node, float] = {}
+    for node in nodes:
+        keys[node] = _traced_order_key(graph_module, node, keys)
+    position = {node: index for index, node in enumerate(nodes)}
+    waiting = {node: len(set(node.all_input_nodes)) for node in nodes}
+    ready = [(keys[node], position[node], node) for node in nodes if not waiting[node]]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        ordered.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, (keys[user], position[user], user))
+    if len(ordered) != len(nodes):
+        raise ExportError("internal: the lowered graph has a cycle")
+    output = next(node for node in nodes if node.op == "output")
+    for node in ordered:
+        if node.op not in ("placeholder", "output"):
+            output.prepend(node)
+    graph.lint()
+    graph_module.recompile()
+
+
 def _program_operators(program) -> set[str]:
     """"aten::mm.out"-style names of every operator the serialised program calls."""
     names = set()
@@ -185,35 +240,44 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
     return data
 
 
-def _xnnpack_products() -> list:
-    """XNNPACK for the matrix products alone, their weights being program inputs: by default its GEMM configs
-    take a weight only when it is a constant, and a whole-graph partition refuses MeSP's pass-through outputs."""
-    from executorch.backends.xnnpack.partition.config.gemm_configs import AddmmConfig, LinearConfig, MMConfig
+# What XNNPACK runs of a MeSP program: its matrix products (about 4x ExecuTorch's own mm here), and its tensor
+# operators, since ExecuTorch's portable kernels index every element one by one (a permute_copy moved about 6 ns
+# an element, a quarter of a SmolLM2 block's backward) where XNNPACK's are vectorised and run on its thread
+# pool. What XNNPACK cannot take (a dtype conversion, an integer operator) stays on ExecuTorch's kernels.
+_XNNPACK_CONFIGS = ("AddmmConfig", "MMConfig", "LinearConfig", "BMMConfig", "AddConfig", "SubConfig", "MulConfig",
+                    "DivConfig", "NegConfig", "PowConfig", "ExpConfig", "SigmoidConfig", "ReciprocalSquareRootConfig",
+                    "MeanDimConfig", "PermuteConfig", "CatConfig", "SliceCopyConfig", "CloneDimOrderConfig",
+                    "ToDimOrderCopyConfig")
+
+
+def _xnnpack_operators() -> list:
+    """One delegate per operator (per_op_mode: a whole-graph partition refuses MeSP's pass-through outputs),
+    products included although their weights are method inputs (XNNPACK's GEMM configs take a weight only when
+    it is a constant unless forced)."""
+    import executorch.backends.xnnpack.partition.config as configs
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-    return [XnnpackPartitioner(configs=[AddmmConfig, MMConfig, LinearConfig], per_op_mode=True,
+    return [XnnpackPartitioner(configs=[getattr(configs, name) for name in _XNNPACK_CONFIGS], per_op_mode=True,
                                force_non_static_weights_for_f32_linear=True)]
 
 
-# --delegate name -> the partitioners its products are lowered with ("none": ExecuTorch's own CPU kernels).
+# --delegate name -> the partitioners a program is lowered with ("none": ExecuTorch's own CPU kernels).
 DELEGATES: Registry[Callable[[], list]] = Registry("ExecuTorch delegate")
-DELEGATES.add("xnnpack", _xnnpack_products)
+DELEGATES.add("xnnpack", _xnnpack_operators)
 DELEGATES.add("none", list)
 
 
-def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple], delegate: str = "xnnpack",
-                  delegated: tuple[str, ...] | None = None) -> bytes:
+def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple], delegate: str = "xnnpack") -> bytes:
     """One ExecuTorch program whose methods are the forward graphs of `modules` (name -> module), each traced
-    for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step), the matrix products of
-    the methods named in `delegated` (all by default) lowered as DELEGATES names. Inference graphs: no joint
+    for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step), what the delegate
+    DELEGATES names takes lowered to it, in the order traced (_restore_traced_order). Inference graphs: no joint
     forward-backward, so nothing here is experimental beyond the program format."""
     _require_executorch()
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from torch._export.verifier import SpecViolationError
 
     make_partitioners = DELEGATES.get(delegate)
-    partitioners = {name: make_partitioners() if delegated is None or name in delegated else []
-                    for name in modules}
+    partitioners = {name: make_partitioners() for name in modules}
 
     exported = {}
     with warnings.catch_warnings(), torch.no_grad():
@@ -231,8 +295,10 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
             # linear is not Core ATen, but the runtime's optimized kernels have it (see above).
             config = EdgeCompileConfig(_core_aten_ops_exception_list=[torch.ops.aten.linear.default],
                                        preserve_ops=[torch.ops.aten.linear.default])
-            program = to_edge_transform_and_lower(exported, partitioner=partitioners,
-                                                  compile_config=config).to_executorch()
+            edge = to_edge_transform_and_lower(exported, partitioner=partitioners, compile_config=config)
+            for name in modules:
+                _restore_traced_order(edge.exported_program(name).graph_module)
+            program = edge.to_executorch()
         except SpecViolationError as exc:
             raise ExportError(f"ExecuTorch cannot lower this program: {_first_line_naming_operator(str(exc))}") from exc
     _check_runtime_has_kernels(program)

@@ -38,13 +38,21 @@ ADAMW_SCALARS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "bias_c
 @dataclass(frozen=True)
 class MatrixFormat:
     """How one frozen matrix is held: dense float32 (bits None), or packed as edgetrain.models.quantized
-    holds it (codes, scales, and biases unless the format is symmetric with a zero point)."""
+    holds it (codes, scales, and biases unless the format is symmetric with a zero point).
+
+    A 4-bit matrix's codes come in one of two byte layouts. As loaded (edgetrain.models.quantized), byte i of a
+    row holds columns 2i and 2i + 1; undoing that interleave inside a graph is a per-element concatenation,
+    which ExecuTorch's portable `cat` runs a type dispatch per element for (a sixth of a block's time). So the
+    export writes `row_halves` instead (pack_row_halves): byte (r, c) holds row r's column c in its low nibble
+    and row r + rows/2's in its high one. A tile of rows from either half is then one bitwise_and, and the high
+    nibble's factor of 16 moves into its scales (exactly: a power of two), so the numbers are the same."""
 
     rows: int
     cols: int
     bits: int | None = None
     group_size: int = 0
     zero_point: int | None = None
+    row_halves: bool = False
 
     @property
     def packed(self) -> bool:
@@ -59,7 +67,18 @@ class MatrixFormat:
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "cols": self.cols, "bits": self.bits, "group_size": self.group_size,
-                "zero_point": self.zero_point}
+                "zero_point": self.zero_point, "row_halves": self.row_halves}
+
+
+def pack_row_halves(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [rows, cols/2] as loaded (byte i: columns 2i, 2i + 1) -> [rows/2, cols] in the row_halves
+    layout (MatrixFormat). rows must be even."""
+    rows = codes.shape[0]
+    if rows % 2:
+        raise ValueError(f"the row_halves layout needs an even number of rows, not {rows}")
+    integers = torch.stack([torch.bitwise_and(codes, 15), torch.bitwise_right_shift(codes, 4)], dim=-1)
+    integers = integers.reshape(rows, -1)
+    return torch.bitwise_or(integers[:rows // 2], torch.bitwise_left_shift(integers[rows // 2:], 4))
 
 
 class GraphPackedMatrix:
@@ -74,8 +93,25 @@ class GraphPackedMatrix:
         self.cols = matrix_format.cols
         self.codes, self.scales, self.biases = codes, scales, biases
 
-    def _dense(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None) -> torch.Tensor:
+    def _dense(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
+               factor: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """Dense rows from their codes, scales and biases; `factor` (per row, or one number) is what the
+        integers carry in front (16 for the high nibbles of the row_halves layout), divided out of the scales."""
         rows = codes.shape[0]
+        if self.format.row_halves:
+            grouped = codes.to(torch.float32).view(rows, -1, self.format.group_size)
+            scales = scales.to(torch.float32)
+            if isinstance(factor, torch.Tensor):
+                scales = scales / factor.view(rows, 1)
+                zero = None if biases is not None else factor.view(rows, 1, 1) * self.format.zero_point
+            else:
+                scales = scales / factor if factor != 1.0 else scales
+                zero = None if biases is not None else factor * self.format.zero_point
+            if biases is None:
+                dense = (grouped - zero) * scales.unsqueeze(-1)
+            else:
+                dense = grouped * scales.unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
+            return dense.view(rows, self.cols)
         if self.format.bits == 4:
             # Byte i holds columns 2i (low nibble) and 2i + 1 (high nibble). A right shift is not in the
             # Core ATen opset ExecuTorch runs; floor division by 16 is the same on unsigned bytes.
@@ -94,20 +130,46 @@ class GraphPackedMatrix:
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None, device: object = None,
                         scratch: bool = False) -> torch.Tensor:
         biases = None if self.biases is None else self.biases[start:stop]
-        return self._dense(self.codes[start:stop], self.scales[start:stop], biases)
+        if not self.format.row_halves:
+            return self._dense(self.codes[start:stop], self.scales[start:stop], biases)
+        half = self.rows // 2
+        if start < half < stop:  # scratch_tiles never asks for this; a caller cutting its own tiles may
+            return torch.cat([self.dequantize_rows(start, half), self.dequantize_rows(half, stop)])
+        if stop <= half:
+            return self._dense(torch.bitwise_and(self.codes[start:stop], 15), self.scales[start:stop], biases)
+        return self._dense(torch.bitwise_and(self.codes[start - half:stop - half], 0xF0), self.scales[start:stop],
+                           biases, factor=16.0)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         flat = indices.reshape(-1)
         biases = None if self.biases is None else self.biases[flat]
-        return self._dense(self.codes[flat], self.scales[flat], biases).view(*indices.shape, self.cols)
+        if not self.format.row_halves:
+            return self._dense(self.codes[flat], self.scales[flat], biases).view(*indices.shape, self.cols)
+        half = self.rows // 2
+        upper = flat >= half
+        masks = torch.where(upper, 0xF0, 15).to(torch.uint8).unsqueeze(-1)
+        codes = torch.bitwise_and(self.codes[torch.where(upper, flat - half, flat)], masks)
+        factor = torch.where(upper, 16.0, 1.0)
+        return self._dense(codes, self.scales[flat], biases, factor=factor).view(*indices.shape, self.cols)
+
+    def tiled_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T a tile of rows at a time, the tiles' products side by side: one concatenation (XNNPACK's) where
+        writing each into a slice of the output was a portable slice_scatter copying the whole output each time."""
+        products = [x @ tile.t() for _, _, tile in self.scratch_tiles()]
+        return products[0] if len(products) == 1 else torch.cat(products, dim=1)
 
     def scratch_tiles(self, dtype: torch.dtype | None = None, device: object = None,
                       rows_per_tile: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
         # Tiles as the eager path cuts them: the memory planner then holds one dense tile at a time.
         step = rows_per_tile or max(1, TILE_ELEMENTS // self.cols)
-        for start in range(0, self.rows, step):
-            stop = min(start + step, self.rows)
-            yield start, stop, self.dequantize_rows(start, stop)
+        # In the row_halves layout a tile stays within one half (one nibble).
+        ends = (self.rows // 2, self.rows) if self.format.row_halves else (self.rows,)
+        begin = 0
+        for end in ends:
+            for start in range(begin, end, step):
+                stop = min(start + step, end)
+                yield start, stop, self.dequantize_rows(start, stop)
+            begin = end
 
 
 def matrix_from_inputs(matrix_format: MatrixFormat, tensors: Iterator[torch.Tensor]) -> torch.Tensor | GraphPackedMatrix:

@@ -35,7 +35,8 @@ from torch import nn
 
 from edgetrain.data.batch import Batch
 from edgetrain.export.mesp_graph import (ADAMW_SCALARS, AdamWPiece, BlockBackwardPiece, BlockForwardPiece,
-                                         BlockLayout, EmbedPiece, HeadPiece, MatrixFormat, ProjectionLayout)
+                                         BlockLayout, EmbedPiece, HeadPiece, MatrixFormat, ProjectionLayout,
+                                         pack_row_halves)
 from edgetrain.export.trainable import ExportError
 from edgetrain.export.weights_file import WeightsFile, WeightsFileError, write_weights_file
 from edgetrain.files.atomic import atomic_write_bytes, ensure_writable_target
@@ -76,9 +77,12 @@ def _matrix(module: nn.Module | PackedMatrix | torch.Tensor) -> tuple[MatrixForm
     if isinstance(module, TiedQuantizedHead):
         module = module.table
     if isinstance(module, PackedMatrix):
-        parts = [module.codes, module.scales] + ([] if module.biases is None else [module.biases])
-        return (MatrixFormat(module.rows, module.cols, module.bits, module.group_size, module.zero_point),
-                [part.detach() for part in parts])
+        # 4-bit codes go into the row_halves layout (MatrixFormat) whenever the rows split evenly.
+        row_halves = module.bits == 4 and module.rows % 2 == 0
+        codes = pack_row_halves(module.codes) if row_halves else module.codes
+        parts = [codes, module.scales] + ([] if module.biases is None else [module.biases])
+        return (MatrixFormat(module.rows, module.cols, module.bits, module.group_size, module.zero_point,
+                             row_halves), [part.detach() for part in parts])
     return MatrixFormat(*module.weight.shape), [module.weight.detach().to(torch.float32)]
 
 
@@ -219,10 +223,7 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
               "adamw": AdamWPiece()}
     examples = _example_inputs(shape, (cos, sin), frozen[0], embed_tensors,
                                [model.head.norm.weight.detach(), *head_tensors], adapters[0])
-    # The blocks' products go to the delegate. The head's stay on ExecuTorch's kernels: XNNPACK keeps a packed
-    # copy of each product's weight per delegated product, and the head's are the vocabulary, tile by tile
-    # (about 200 MB more for SmolLM2), for one call a step against the blocks' thirty.
-    program = lower_methods(pieces, examples, delegate, delegated=("block_forward", "block_backward"))
+    program = lower_methods(pieces, examples, delegate)
     program_crc = zlib.crc32(program)
 
     tensors: dict[str, torch.Tensor] = {}

@@ -33,22 +33,33 @@ def runner(tmp_path_factory):
     return build_runner(tmp_path_factory.mktemp("native-build"), target=MESP_RUNNER)
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def export_tiny(directory, delegate: str):
     from edgetrain.data import make_stream
 
-    directory = tmp_path_factory.mktemp("mesp-runner")
     torch.manual_seed(0)
     model = make_trainable(edgetrain.load_model("tiny", quantize_bits=4), "lora", rank=4)
     reference = copy.deepcopy(model)
-    program, weights = export_mesp_program(model, 2, 16, directory / "tiny.pte")  # products on XNNPACK
+    program, weights = export_mesp_program(model, 2, 16, directory / "tiny.pte", delegate=delegate)
     batches = list(itertools.islice(make_stream("text", batch_size=2, seq_len=16, vocab_size=256), STEPS))
     batch_file = write_batch_file(directory / "batches.bin", batches)
     return program, weights, batch_file, batches, reference
 
 
-def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, exported, tmp_path):
-    program, weights, batch_file, batches, reference = exported
+@pytest.fixture(scope="module")
+def exported_xnnpack(tmp_path_factory):
+    """The default program: its products and tensor operators on XNNPACK (lowering takes about 2 minutes)."""
+    return export_tiny(tmp_path_factory.mktemp("mesp-runner-xnnpack"), "xnnpack")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """On ExecuTorch's own kernels (15 s to lower): the runner's checkpoints, refusals and resumes do not
+    depend on the kernels, and the suite runs on two cores."""
+    return export_tiny(tmp_path_factory.mktemp("mesp-runner"), "none")
+
+
+def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, exported_xnnpack, tmp_path):
+    program, weights, batch_file, batches, reference = exported_xnnpack
     from edgetrain.export.weights_file import WeightsFile
 
     assert WeightsFile(weights).manifest["delegate"] == "xnnpack"
@@ -154,7 +165,11 @@ def test_bad_inputs_exit_3_naming_the_file_and_write_nothing(runner, exported, t
 
 def test_a_checkpoint_of_another_program_is_refused(runner, exported, tmp_path):
     program, _, batch_file, _, reference = exported
-    other, _ = export_mesp_program(copy.deepcopy(reference), 2, 16, tmp_path / "other.pte", delegate="none")
+    from edgetrain.methods.configs import MeSPConfig
+
+    # The same model and shapes, the loss cut into two chunks: another program.
+    other, _ = export_mesp_program(copy.deepcopy(reference), 2, 16, tmp_path / "other.pte",
+                                   config=MeSPConfig(loss_chunk=16), delegate="none")
     checkpoint = tmp_path / "state.ckpt"
     run_mesp_runner(runner, other, batch_file, lr=LR, steps=1, checkpoint=checkpoint)
     result = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=checkpoint, check=False)

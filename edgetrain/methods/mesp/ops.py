@@ -332,6 +332,10 @@ class LinearWeights:
                                                                           x.device)
             # F.linear without a bias is this mm; with one (an addmm) it is left alone, to stay that sum.
             return F.linear(x, self.weight, self.bias) if out is None else torch.mm(x, self.weight.t(), out=out)
+        tiled_product = getattr(self.packed, "tiled_product", None)
+        if tiled_product is not None:  # a traced export's (edgetrain/export/mesp_graph.py)
+            y = tiled_product(x)
+            return y if self.bias is None else y + self.bias
         y = _empty((x.shape[0], self.packed.rows), x.dtype, x.device)
         for start, stop, tile in self.packed.scratch_tiles(x.dtype):
             torch.mm(x, tile.t(), out=y[:, start:stop])

@@ -1,0 +1,67 @@
+"""The packed layouts a MeSP program dequantises in its graph (edgetrain/export/mesp_graph.py): every layout, tile
+and gathered row gives the same float32 numbers, bit for bit, as edgetrain.models.quantized's own dequantisation
+of the matrix as loaded. No ExecuTorch needed: the graph code runs eagerly here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgetrain.export.mesp_graph import GraphPackedMatrix, MatrixFormat, pack_row_halves
+from edgetrain.export.mesp_program import _matrix
+from edgetrain.models.quantized import PackedMatrix
+
+
+def packed(rows: int, cols: int, bits: int, zero_point: int | None) -> PackedMatrix:
+    torch.manual_seed(rows + bits)
+    matrix = PackedMatrix(rows, cols, bits, group_size=32)
+    matrix.fill_from_dense(torch.randn(rows, cols))
+    if zero_point is not None:  # a symmetric format (GGUF Q4_0, Q8_0): w = scale * (q - zero_point)
+        matrix.biases, matrix.zero_point = None, zero_point
+    return matrix
+
+
+def graph_matrix(matrix: PackedMatrix) -> GraphPackedMatrix:
+    matrix_format, parts = _matrix(matrix)
+    return GraphPackedMatrix(matrix_format, *parts, *([None] if len(parts) == 2 else []))
+
+
+@pytest.mark.parametrize("bits,zero_point", [(4, None), (4, 8), (8, None), (8, 128)])
+@pytest.mark.parametrize("rows", [96, 7])
+def test_every_tile_and_gathered_row_equals_the_loaded_matrix_bit_for_bit(bits, zero_point, rows):
+    matrix = packed(rows, 64, bits, zero_point)
+    expected = matrix.dequantize(torch.float32)
+    graph = graph_matrix(matrix)
+    assert graph.format.row_halves == (bits == 4 and rows % 2 == 0)
+    tiles = list(graph.scratch_tiles(rows_per_tile=20))
+    assert [start for start, _, _ in tiles][0] == 0 and tiles[-1][1] == rows
+    for start, stop, tile in tiles:
+        assert torch.equal(tile, expected[start:stop]), (start, stop)
+        if graph.format.row_halves:  # a tile stays within one nibble
+            assert stop <= rows // 2 or start >= rows // 2
+    assert torch.equal(graph.dequantize_rows(rows // 2 - 3, rows // 2 + 3), expected[rows // 2 - 3:rows // 2 + 3])
+    indices = torch.tensor([[0, rows - 1, rows // 2], [rows // 2 - 1, 3, rows - 2]])
+    assert torch.equal(graph.dequantize_gathered(indices), expected[indices])
+
+
+def test_row_halves_holds_the_upper_half_in_the_high_nibbles():
+    integers = torch.arange(4 * 6, dtype=torch.uint8).reshape(4, 6) % 16
+    loaded = integers[:, 0::2] | (integers[:, 1::2] << 4)  # byte i: columns 2i, 2i + 1
+    halves = pack_row_halves(loaded)
+    assert halves.shape == (2, 6)
+    assert torch.equal(halves & 15, integers[:2]) and torch.equal(halves >> 4, integers[2:])
+    with pytest.raises(ValueError, match="even number of rows"):
+        pack_row_halves(loaded[:3])
+    assert MatrixFormat(4, 6, 4, 2, None, True).to_json()["row_halves"] is True
+
+
+def test_a_traced_packed_linear_is_its_tiles_side_by_side():
+    from edgetrain.methods.mesp.ops import LinearWeights
+
+    matrix = packed(96, 64, 4, None)
+    bias = torch.randn(96)
+    x = torch.randn(5, 64)
+    expected = torch.nn.functional.linear(x, matrix.dequantize(torch.float32), bias)
+    traced = LinearWeights(None, bias, packed=graph_matrix(matrix)).forward(x)
+    eager = LinearWeights(None, bias, packed=matrix).forward(x)
+    torch.testing.assert_close(traced, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(traced, eager, rtol=1e-6, atol=1e-6)
