@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -125,6 +126,24 @@ def _linear_for_transposed_products(graph_module: torch.fx.GraphModule) -> int:
     permute_copy, which copied a whole weight matrix before each product (a quarter of a SmolLM2 block's
     backward), while its optimized linear kernel reads w as stored."""
     return _rewrite_nodes(graph_module, torch.ops.aten.mm.default, _linear_if_transposed)
+
+
+def _dequantize_int8(node: torch.fx.Node, add: Callable[..., torch.fx.Node]) -> torch.fx.Node | None:
+    source = node.args[0]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if (value is None or value.dtype != torch.int8 or set(node.kwargs) - {"dtype", "layout", "device"}
+            or node.kwargs.get("dtype") != torch.float32):
+        return None
+    from torch.ao.quantization.fx import _decomposed  # noqa: F401  (registers quantized_decomposed)
+
+    return add(torch.ops.quantized_decomposed.dequantize_per_tensor.default, (source, 1.0, 0, -128, 127, torch.int8))
+
+
+def _int8_conversions_as_dequantize(graph_module: torch.fx.GraphModule) -> int:
+    """Rewrite int8 -> float32 conversions as a dequantisation with scale 1 and zero point 0 (the same exact
+    integers): XNNPACK runs that, vectorised and threaded, where ExecuTorch's own conversion goes one element at
+    a time (the packed codes of every tile: edgetrain/export/mesp_graph.py, MatrixFormat.row_halves)."""
+    return _rewrite_nodes(graph_module, torch.ops.aten._to_copy.default, _dequantize_int8)
 
 
 def _traced_order_key(graph_module: torch.fx.GraphModule, node: torch.fx.Node, keys: dict) -> float:
@@ -247,7 +266,7 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
 _XNNPACK_CONFIGS = ("AddmmConfig", "MMConfig", "LinearConfig", "BMMConfig", "AddConfig", "SubConfig", "MulConfig",
                     "DivConfig", "NegConfig", "PowConfig", "ExpConfig", "SigmoidConfig", "ReciprocalSquareRootConfig",
                     "MeanDimConfig", "PermuteConfig", "CatConfig", "SliceCopyConfig", "CloneDimOrderConfig",
-                    "ToDimOrderCopyConfig")
+                    "ToDimOrderCopyConfig", "DeQuantizedPerTensorConfig")
 
 
 def _xnnpack_operators() -> list:
@@ -261,10 +280,19 @@ def _xnnpack_operators() -> list:
                                force_non_static_weights_for_f32_linear=True)]
 
 
-# --delegate name -> the partitioners a program is lowered with ("none": ExecuTorch's own CPU kernels).
-DELEGATES: Registry[Callable[[], list]] = Registry("ExecuTorch delegate")
-DELEGATES.add("xnnpack", _xnnpack_operators)
-DELEGATES.add("none", list)
+@dataclass(frozen=True)
+class Delegate:
+    """How a program is lowered to one delegate: its partitioners, and the rewrites of the traced graphs that
+    let it take more (each returns how many nodes it changed)."""
+
+    partitioners: Callable[[], list]
+    rewrites: tuple[Callable[[torch.fx.GraphModule], int], ...] = ()
+
+
+# --delegate name -> how a program is lowered ("none": ExecuTorch's own CPU kernels).
+DELEGATES: Registry[Delegate] = Registry("ExecuTorch delegate")
+DELEGATES.add("xnnpack", Delegate(_xnnpack_operators, (_int8_conversions_as_dequantize,)))
+DELEGATES.add("none", Delegate(list))
 
 
 def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple], delegate: str = "xnnpack") -> bytes:
@@ -276,8 +304,8 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from torch._export.verifier import SpecViolationError
 
-    make_partitioners = DELEGATES.get(delegate)
-    partitioners = {name: make_partitioners() for name in modules}
+    lowering = DELEGATES.get(delegate)
+    partitioners = {name: lowering.partitioners() for name in modules}
 
     exported = {}
     with warnings.catch_warnings(), torch.no_grad():
@@ -288,6 +316,8 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
                 _replace_empty_permuted(exported[name].graph_module)
                 _split_addmm(exported[name].graph_module)
                 _linear_for_transposed_products(exported[name].graph_module)
+                for rewrite in lowering.rewrites:
+                    rewrite(exported[name].graph_module)
             except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
                 raise ExportError(f"torch.export could not trace the {name} program: {type(exc).__name__}: "
                                   f"{exc}") from exc

@@ -43,9 +43,12 @@ class MatrixFormat:
     A 4-bit matrix's codes come in one of two byte layouts. As loaded (edgetrain.models.quantized), byte i of a
     row holds columns 2i and 2i + 1; undoing that interleave inside a graph is a per-element concatenation,
     which ExecuTorch's portable `cat` runs a type dispatch per element for (a sixth of a block's time). So the
-    export writes `row_halves` instead (pack_row_halves): byte (r, c) holds row r's column c in its low nibble
-    and row r + rows/2's in its high one. A tile of rows from either half is then one bitwise_and, and the high
-    nibble's factor of 16 moves into its scales (exactly: a power of two), so the numbers are the same."""
+    export writes `row_halves` instead (pack_row_halves), int8 codes [rows/2, cols]: byte (r, c) holds row r's
+    column c in its low nibble and row r + rows/2's, plus 8 modulo 16, in its high one. A tile of rows from either
+    half is then one bitwise_and (& 15, or & -16: the int8 16 (q - 8)) and one conversion to float, which XNNPACK
+    runs as a dequantisation of int8 (ExecuTorch's own conversion of a byte tensor was a sixth of a block's
+    time; XNNPACK takes no uint8). The high nibble's 16 moves into its scales and its - 8 is added back, both
+    exactly (a power of two; small integers), so the numbers are the same."""
 
     rows: int
     cols: int
@@ -71,14 +74,19 @@ class MatrixFormat:
 
 
 def pack_row_halves(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [rows, cols/2] as loaded (byte i: columns 2i, 2i + 1) -> [rows/2, cols] in the row_halves
-    layout (MatrixFormat). rows must be even."""
+    """4-bit codes [rows, cols/2] as loaded (byte i: columns 2i, 2i + 1) -> int8 [rows/2, cols] in the
+    row_halves layout (MatrixFormat). rows must be even."""
     rows = codes.shape[0]
     if rows % 2:
         raise ValueError(f"the row_halves layout needs an even number of rows, not {rows}")
     integers = torch.stack([torch.bitwise_and(codes, 15), torch.bitwise_right_shift(codes, 4)], dim=-1)
     integers = integers.reshape(rows, -1)
-    return torch.bitwise_or(integers[:rows // 2], torch.bitwise_left_shift(integers[rows // 2:], 4))
+    high = torch.bitwise_xor(integers[rows // 2:], 8)  # read back as int8: & -16 gives 16 (q - 8)
+    return torch.bitwise_or(integers[:rows // 2], torch.bitwise_left_shift(high, 4)).view(torch.int8)
+
+
+# What & -16 leaves of a row_halves high nibble, as a float: 16 (q - 8); this makes it 16 q.
+HIGH_NIBBLE_OFFSET = 128.0
 
 
 class GraphPackedMatrix:
@@ -94,12 +102,18 @@ class GraphPackedMatrix:
         self.codes, self.scales, self.biases = codes, scales, biases
 
     def _dense(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-               factor: torch.Tensor | float = 1.0) -> torch.Tensor:
-        """Dense rows from their codes, scales and biases; `factor` (per row, or one number) is what the
-        integers carry in front (16 for the high nibbles of the row_halves layout), divided out of the scales."""
+               factor: torch.Tensor | float = 1.0, offset: torch.Tensor | float = 0.0) -> torch.Tensor:
+        """Dense rows from their codes, scales and biases. In the row_halves layout, codes are one nibble masked
+        in place, `offset` (per row, or one number) is added to them as floats, and `factor` is what they then
+        carry in front (16 for high nibbles), divided out of the scales."""
         rows = codes.shape[0]
         if self.format.row_halves:
-            grouped = codes.to(torch.float32).view(rows, -1, self.format.group_size)
+            integers = codes.to(torch.float32)
+            if isinstance(offset, torch.Tensor):
+                integers = integers + offset.view(rows, 1)
+            elif offset:
+                integers = integers + offset
+            grouped = integers.view(rows, -1, self.format.group_size)
             scales = scales.to(torch.float32)
             if isinstance(factor, torch.Tensor):
                 scales = scales / factor.view(rows, 1)
@@ -137,8 +151,8 @@ class GraphPackedMatrix:
             return torch.cat([self.dequantize_rows(start, half), self.dequantize_rows(half, stop)])
         if stop <= half:
             return self._dense(torch.bitwise_and(self.codes[start:stop], 15), self.scales[start:stop], biases)
-        return self._dense(torch.bitwise_and(self.codes[start - half:stop - half], 0xF0), self.scales[start:stop],
-                           biases, factor=16.0)
+        return self._dense(torch.bitwise_and(self.codes[start - half:stop - half], -16), self.scales[start:stop],
+                           biases, factor=16.0, offset=HIGH_NIBBLE_OFFSET)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         flat = indices.reshape(-1)
@@ -147,10 +161,11 @@ class GraphPackedMatrix:
             return self._dense(self.codes[flat], self.scales[flat], biases).view(*indices.shape, self.cols)
         half = self.rows // 2
         upper = flat >= half
-        masks = torch.where(upper, 0xF0, 15).to(torch.uint8).unsqueeze(-1)
+        masks = torch.where(upper, -16, 15).to(torch.int8).unsqueeze(-1)
         codes = torch.bitwise_and(self.codes[torch.where(upper, flat - half, flat)], masks)
-        factor = torch.where(upper, 16.0, 1.0)
-        return self._dense(codes, self.scales[flat], biases, factor=factor).view(*indices.shape, self.cols)
+        factor, offset = torch.where(upper, 16.0, 1.0), torch.where(upper, HIGH_NIBBLE_OFFSET, 0.0)
+        return self._dense(codes, self.scales[flat], biases, factor=factor, offset=offset).view(*indices.shape,
+                                                                                                  self.cols)
 
     def tiled_product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T a tile of rows at a time, the tiles' products side by side: one concatenation (XNNPACK's) where

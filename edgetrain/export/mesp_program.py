@@ -50,7 +50,7 @@ from edgetrain.models.quantized import PackedMatrix, TiedQuantizedHead
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.schedules import check_learning_rate
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: 4-bit codes in the int8 row_halves layout (mesp_graph.MatrixFormat)
 METHODS = ("embed", "block_forward", "block_backward", "head", "adamw")
 
 

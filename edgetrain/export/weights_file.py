@@ -12,7 +12,8 @@ become resident, and they are clean file pages the kernel can drop). Little-endi
                 u64 offset of its data from the start of the file, u64 its length in bytes
     the data, each tensor at a multiple of ALIGNMENT bytes
 
-Dtype codes: 0 float32, 1 int64, 2 uint8, 3 float16 (what a GGUF's packed blocks need).
+Dtype codes: 0 float32, 1 int64, 2 uint8, 3 float16 (what a GGUF's packed blocks need), 4 int8 (4-bit codes
+in the row_halves layout: edgetrain/export/mesp_graph.py).
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ from edgetrain.registry import EdgetrainError
 
 MAGIC = b"EDGEWTS1"
 ALIGNMENT = 64
-DTYPE_CODES = {torch.float32: 0, torch.int64: 1, torch.uint8: 2, torch.float16: 3}
+DTYPE_CODES = {torch.float32: 0, torch.int64: 1, torch.uint8: 2, torch.float16: 3, torch.int8: 4}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-_NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.uint8: np.uint8, torch.float16: np.float16}
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.uint8: np.uint8, torch.float16: np.float16,
+          torch.int8: np.int8}
 _MAX_HEADER = 1 << 26  # a header this large is damage, not a model
 
 

@@ -48,7 +48,7 @@ using edgetrain::InputError;
 
 namespace {
 
-constexpr int64_t kFormatVersion = 1;
+constexpr int64_t kFormatVersion = 2;  // 2: int8 row_halves codes (edgetrain/export/mesp_graph.py)
 
 struct NonFinite : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -67,6 +67,7 @@ size_t element_size(ScalarType type) {
     case ScalarType::Float: return 4;
     case ScalarType::Long: return 8;
     case ScalarType::Byte: return 1;
+    case ScalarType::Char: return 1;
     case ScalarType::Half: return 2;
     default: return 0;
   }
@@ -105,8 +106,9 @@ class WeightsFile {
       offset += 4 + name_length;
       const uint32_t code = read<uint32_t>(offset), ndim = read<uint32_t>(offset + 4);
       offset += 8;
-      static const ScalarType types[] = {ScalarType::Float, ScalarType::Long, ScalarType::Byte, ScalarType::Half};
-      if (code > 3 || ndim > 8) throw InputError(path_ + ": the header is damaged (tensor " + t.name + ")");
+      static const ScalarType types[] = {ScalarType::Float, ScalarType::Long, ScalarType::Byte, ScalarType::Half,
+                                         ScalarType::Char};
+      if (code > 4 || ndim > 8) throw InputError(path_ + ": the header is damaged (tensor " + t.name + ")");
       t.type = types[code];
       uint64_t numel = 1;
       for (uint32_t d = 0; d < ndim; ++d) {

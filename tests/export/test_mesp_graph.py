@@ -47,8 +47,9 @@ def test_row_halves_holds_the_upper_half_in_the_high_nibbles():
     integers = torch.arange(4 * 6, dtype=torch.uint8).reshape(4, 6) % 16
     loaded = integers[:, 0::2] | (integers[:, 1::2] << 4)  # byte i: columns 2i, 2i + 1
     halves = pack_row_halves(loaded)
-    assert halves.shape == (2, 6)
-    assert torch.equal(halves & 15, integers[:2]) and torch.equal(halves >> 4, integers[2:])
+    assert halves.shape == (2, 6) and halves.dtype == torch.int8
+    assert torch.equal(halves & 15, integers[:2].to(torch.int8))
+    assert torch.equal((halves & -16).float() + 128, 16 * integers[2:].float())  # 16 (q - 8) + 128
     with pytest.raises(ValueError, match="even number of rows"):
         pack_row_halves(loaded[:3])
     assert MatrixFormat(4, 6, 4, 2, None, True).to_json()["row_halves"] is True
