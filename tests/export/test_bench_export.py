@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # three exports, two with XNNPACK: about 90 s
+pytestmark = pytest.mark.slow  # three exports, two with XNNPACK: about 7 minutes
 REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("executorch.exir", reason="ExecuTorch not installed: pip install 'edgetrain[export]'")
 

@@ -96,7 +96,8 @@ def test_a_packed_base_trains_as_torch_mesp_on_the_same_packed_model(packed_prog
 
 def test_the_weights_file_holds_the_base_packed(packed_program, dense_program):
     packed = WeightsFile(packed_program[1])
-    assert packed.tensor("blocks.0.q.codes").dtype == torch.uint8
+    assert packed.tensor("blocks.0.q.codes").dtype == torch.int8  # 4-bit: the row_halves layout
+    assert all(p["row_halves"] for p in packed.manifest["block"]["projections"])
     assert "blocks.0.q.weight" not in packed and "embed.codes" in packed
     assert packed.manifest["tied_head"] is True and "head.codes" not in packed  # the table is read once
     dense = WeightsFile(dense_program[1])

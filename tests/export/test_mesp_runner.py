@@ -58,11 +58,15 @@ def exported(tmp_path_factory):
     return export_tiny(tmp_path_factory.mktemp("mesp-runner"), "none")
 
 
-def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, exported_xnnpack, tmp_path):
-    program, weights, batch_file, batches, reference = exported_xnnpack
+# The default program's (XNNPACK's) lowering takes minutes: the default lane trains it through ctest
+# (samples/mesp_app_cpp.py: runner against the Python replay bit for bit, and torch), the slow lane here.
+@pytest.mark.parametrize("delegate", ["none", pytest.param("xnnpack", marks=pytest.mark.slow)])
+def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, delegate, request, tmp_path):
+    program, weights, batch_file, batches, reference = request.getfixturevalue(
+        "exported_xnnpack" if delegate == "xnnpack" else "exported")
     from edgetrain.export.weights_file import WeightsFile
 
-    assert WeightsFile(weights).manifest["delegate"] == "xnnpack"
+    assert WeightsFile(weights).manifest["delegate"] == delegate
     native = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "adapter.safetensors")
     replay = MeSPProgramTrainer(program, weights, AdamWSettings(lr=LR))
     replay_losses = [replay.step(batch) for batch in batches]
