@@ -5,10 +5,10 @@ side in one run (issue 35's targets). Every arm trains the same model on the sam
   torch mesp       Learner(method="mesp", optimizer="adamw") on the model as loaded (a GGUF's blocks packed), in
                    a fresh interpreter; its peak above that interpreter's own floor with torch and edgetrain
                    imported (the runtime an app would not carry)
-  runner, packed   edgetrain_mesp_runner on `export --method mesp` of the same model (its blocks' matrix
-                   products on XNNPACK, the default): the process's whole peak (its runtime included, the mapped weights
-                   file's resident pages included)
-  packed, no XNNPACK  the same, `--delegate none`: the products on ExecuTorch's own CPU kernels
+  runner, packed   edgetrain_mesp_runner on `export --method mesp` of the same model (its products and tensor
+                   operators on XNNPACK, the default): the process's whole peak (its runtime included, the mapped
+                   weights file's resident pages included)
+  packed, no XNNPACK  the same, `--delegate none`: everything on ExecuTorch's own CPU kernels
   runner, fp32     the same program exported from the dequantised model (the frozen weights dense)
   joint graph      edgetrain_et_runner on today's `edgetrain export` (one forward-backward program, fp32
                    weights, SGD); --skip-joint leaves it out (its export of a 30-block model is long)

@@ -30,7 +30,8 @@ def test_smollm2_packed_program_gradients_equal_torch_mesp(smollm2_file, tmp_pat
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
     reference = copy.deepcopy(model)
     program, weights = export_mesp_program(model, 1, 32, tmp_path / "smollm2.pte")
-    assert WeightsFile(weights).tensor("blocks.0.q.codes").dtype == torch.uint8  # the GGUF's blocks, packed
+    # The GGUF's Q4_1 blocks, packed: 4-bit codes in the int8 row_halves layout (edgetrain/export/mesp_graph.py).
+    assert WeightsFile(weights).tensor("blocks.0.q.codes").dtype == torch.int8
     batch = next(iter(itertools.islice(make_stream("text", batch_size=1, seq_len=32, vocab_size=49152), 1)))
     trainer = MeSPProgramTrainer(program, weights)
     cos, sin = trainer._rope
