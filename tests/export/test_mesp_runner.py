@@ -46,27 +46,15 @@ def export_tiny(directory, delegate: str):
 
 
 @pytest.fixture(scope="module")
-def exported_xnnpack(tmp_path_factory):
-    """The default program: its products and tensor operators on XNNPACK (lowering takes about 2 minutes)."""
-    return export_tiny(tmp_path_factory.mktemp("mesp-runner-xnnpack"), "xnnpack")
-
-
-@pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """On ExecuTorch's own kernels (15 s to lower): the runner's checkpoints, refusals and resumes do not
-    depend on the kernels, and the suite runs on two cores."""
+    """On ExecuTorch's own kernels (15 s to lower; the default, XNNPACK, takes about 3 minutes for tiny): the
+    runner's schedule, checkpoints and refusals do not depend on the kernels. The default program is trained by
+    the runner in ctest (samples/mesp_app_cpp.py: against the Python replay bit for bit, and torch's mesp)."""
     return export_tiny(tmp_path_factory.mktemp("mesp-runner"), "none")
 
 
-# The default program's (XNNPACK's) lowering takes minutes: the default lane trains it through ctest
-# (samples/mesp_app_cpp.py: runner against the Python replay bit for bit, and torch), the slow lane here.
-@pytest.mark.parametrize("delegate", ["none", pytest.param("xnnpack", marks=pytest.mark.slow)])
-def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, delegate, request, tmp_path):
-    program, weights, batch_file, batches, reference = request.getfixturevalue(
-        "exported_xnnpack" if delegate == "xnnpack" else "exported")
-    from edgetrain.export.weights_file import WeightsFile
-
-    assert WeightsFile(weights).manifest["delegate"] == delegate
+def test_the_runner_trains_as_the_python_replay_and_torch_mesp(runner, exported, tmp_path):
+    program, weights, batch_file, batches, reference = exported
     native = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "adapter.safetensors")
     replay = MeSPProgramTrainer(program, weights, AdamWSettings(lr=LR))
     replay_losses = [replay.step(batch) for batch in batches]
