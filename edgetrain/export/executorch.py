@@ -262,7 +262,8 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
 # What XNNPACK runs of a MeSP program: its matrix products (about 4x ExecuTorch's own mm here), and its tensor
 # operators, since ExecuTorch's portable kernels index every element one by one (a permute_copy moved about 6 ns
 # an element, a quarter of a SmolLM2 block's backward) where XNNPACK's are vectorised and run on its thread
-# pool. What XNNPACK cannot take (a dtype conversion, an integer operator) stays on ExecuTorch's kernels.
+# pool. What XNNPACK has no operator for (integer masks, gathers, reductions other than mean) stays on
+# ExecuTorch's kernels; int8 -> float32 conversions reach it as dequantisations (_int8_conversions_as_dequantize).
 _XNNPACK_CONFIGS = ("AddmmConfig", "MMConfig", "LinearConfig", "BMMConfig", "AddConfig", "SubConfig", "MulConfig",
                     "DivConfig", "NegConfig", "PowConfig", "ExpConfig", "SigmoidConfig", "ReciprocalSquareRootConfig",
                     "MeanDimConfig", "PermuteConfig", "CatConfig", "SliceCopyConfig", "CloneDimOrderConfig",
