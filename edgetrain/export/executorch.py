@@ -100,10 +100,12 @@ def _mm_plus_bias(node: torch.fx.Node, add: Callable[..., torch.fx.Node]) -> tor
     bias, left, right = node.args[:3]
     beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
     product = add(aten.mm.default, (left, right))
+    # mul.Tensor with a number, not mul.Scalar: XNNPACK takes the first (a LoRA product's scale), ExecuTorch's
+    # portable kernel runs the second.
     if alpha != 1:
-        product = add(aten.mul.Scalar, (product, alpha))
+        product = add(aten.mul.Tensor, (product, alpha))
     if beta != 1:
-        bias = add(aten.mul.Scalar, (bias, beta))
+        bias = add(aten.mul.Tensor, (bias, beta))
     return add(aten.add.Tensor, (bias, product))
 
 
@@ -126,6 +128,35 @@ def _linear_for_transposed_products(graph_module: torch.fx.GraphModule) -> int:
     permute_copy, which copied a whole weight matrix before each product (a quarter of a SmolLM2 block's
     backward), while its optimized linear kernel reads w as stored."""
     return _rewrite_nodes(graph_module, torch.ops.aten.mm.default, _linear_if_transposed)
+
+
+def _same_as_input(node: torch.fx.Node, add: Callable[..., torch.fx.Node]) -> torch.fx.Node | None:
+    source = node.args[1] if node.target == torch.ops.aten.copy.default else node.args[0]
+    value, result = getattr(source, "meta", {}).get("val"), node.meta.get("val")
+    # Only an operator's result: a method input passed through to an output would alias the two.
+    if (not isinstance(source, torch.fx.Node) or source.op != "call_function" or value is None or result is None
+            or value.shape != result.shape or value.dtype != result.dtype):
+        return None
+    if value.stride() == result.stride():
+        return source
+    if node.target == torch.ops.aten.copy.default and result.is_contiguous():
+        # A permuted view copied into a contiguous buffer: a clone does that (XNNPACK's copy, where ExecuTorch's
+        # own `copy` kernel goes an element at a time).
+        return add(torch.ops.aten.clone.default, (source,), {"memory_format": torch.contiguous_format})
+    return None
+
+
+# Operators of a functional graph that give their input unchanged when the shapes, dtypes and strides match: a
+# copy into a same-shaped buffer (an in-place copy_, functionalised), an alias, an expand to the shape it has
+# (from matmul's decomposition). ExecuTorch's kernels copy the whole tensor for each: three dozen copies a block
+# backward.
+_PASS_THROUGH_OPERATORS = (torch.ops.aten.copy.default, torch.ops.aten.alias.default, torch.ops.aten.expand.default)
+
+
+def _drop_pass_through_copies(graph_module: torch.fx.GraphModule) -> int:
+    """Replace each pass-through operator (_PASS_THROUGH_OPERATORS) by its input, and a copy of a strided view
+    into a contiguous buffer by a clone."""
+    return sum(_rewrite_nodes(graph_module, target, _same_as_input) for target in _PASS_THROUGH_OPERATORS)
 
 
 def _dequantize_int8(node: torch.fx.Node, add: Callable[..., torch.fx.Node]) -> torch.fx.Node | None:
@@ -265,7 +296,7 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
 # pool. What XNNPACK has no operator for (integer masks, gathers, reductions other than mean) stays on
 # ExecuTorch's kernels; int8 -> float32 conversions reach it as dequantisations (_int8_conversions_as_dequantize).
 _XNNPACK_CONFIGS = ("AddmmConfig", "MMConfig", "LinearConfig", "BMMConfig", "AddConfig", "SubConfig", "MulConfig",
-                    "DivConfig", "NegConfig", "PowConfig", "ExpConfig", "SigmoidConfig", "ReciprocalSquareRootConfig",
+                    "DivConfig", "NegConfig", "PowConfig", "ExpConfig", "FloorConfig", "SigmoidConfig", "ReciprocalSquareRootConfig",
                     "MeanDimConfig", "PermuteConfig", "CatConfig", "SliceCopyConfig", "CloneDimOrderConfig",
                     "ToDimOrderCopyConfig", "DeQuantizedPerTensorConfig")
 
@@ -296,6 +327,21 @@ DELEGATES.add("xnnpack", Delegate(_xnnpack_operators, (_int8_conversions_as_dequ
 DELEGATES.add("none", Delegate(list))
 
 
+def trace_for_lowering(module: nn.Module, example_inputs: tuple, delegate: str = "xnnpack") -> "torch.export.ExportedProgram":
+    """`module`'s forward graph as lower_methods lowers it: traced for `example_inputs`, decomposed to Core ATen,
+    then rewritten for ExecuTorch's kernels (_replace_empty_permuted, _split_addmm,
+    _linear_for_transposed_products, _drop_pass_through_copies) and for the delegate DELEGATES names. The
+    same numbers as `module`, bit for bit."""
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(module, example_inputs, strict=False).run_decompositions()
+        graph_module = exported.graph_module
+        for rewrite in (_replace_empty_permuted, _split_addmm, _linear_for_transposed_products,
+                        _drop_pass_through_copies, *DELEGATES.get(delegate).rewrites):
+            rewrite(graph_module)
+    return exported
+
+
 def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple], delegate: str = "xnnpack") -> bytes:
     """One ExecuTorch program whose methods are the forward graphs of `modules` (name -> module), each traced
     for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step), what the delegate
@@ -313,12 +359,7 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
         warnings.simplefilter("ignore")
         for name, module in modules.items():
             try:
-                exported[name] = torch.export.export(module, example_inputs[name], strict=False).run_decompositions()
-                _replace_empty_permuted(exported[name].graph_module)
-                _split_addmm(exported[name].graph_module)
-                _linear_for_transposed_products(exported[name].graph_module)
-                for rewrite in lowering.rewrites:
-                    rewrite(exported[name].graph_module)
+                exported[name] = trace_for_lowering(module, example_inputs[name], delegate)
             except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
                 raise ExportError(f"torch.export could not trace the {name} program: {type(exc).__name__}: "
                                   f"{exc}") from exc

@@ -40,15 +40,18 @@ class MatrixFormat:
     """How one frozen matrix is held: dense float32 (bits None), or packed as edgetrain.models.quantized
     holds it (codes, scales, and biases unless the format is symmetric with a zero point).
 
-    A 4-bit matrix's codes come in one of two byte layouts. As loaded (edgetrain.models.quantized), byte i of a
-    row holds columns 2i and 2i + 1; undoing that interleave inside a graph is a per-element concatenation,
-    which ExecuTorch's portable `cat` runs a type dispatch per element for (a sixth of a block's time). So the
-    export writes `row_halves` instead (pack_row_halves), int8 codes [rows/2, cols]: byte (r, c) holds row r's
-    column c in its low nibble and row r + rows/2's, plus 8 modulo 16, in its high one. A tile of rows from either
-    half is then one bitwise_and (& 15, or & -16: the int8 16 (q - 8)) and one conversion to float, which XNNPACK
-    runs as a dequantisation of int8 (ExecuTorch's own conversion of a byte tensor was a sixth of a block's
-    time; XNNPACK takes no uint8). The high nibble's 16 moves into its scales and its - 8 is added back, both
-    exactly (a power of two; small integers), so the numbers are the same."""
+    The export stores packed codes as int8, since XNNPACK converts int8 to float (as a dequantisation with
+    scale 1, edgetrain/export/executorch.py) where ExecuTorch's own conversion goes one element at a time:
+    - 8 bits (`signed`): q - 128.
+    - 4 bits, `row_halves` (rows even): int8 [rows/2, cols], byte (r, c) holds row r's column c in its low
+      nibble and row r + rows/2's, plus 8 modulo 16, in its high one (pack_row_halves). Read as a signed
+      byte b, floor(b / 16) is then the high row's q - 8 and b - 16 floor(b / 16) the low row's q: a tile of
+      rows from either half is a few float operations XNNPACK runs. Integer masks would run on ExecuTorch's
+      portable kernels, about 2.4 ns a byte (a third of a block's time).
+    - 4 bits, odd rows: uint8 as loaded (byte i of a row holds columns 2i and 2i + 1), unpacked by a
+      per-element concatenation; rare (every GGUF matrix has even rows), and slow.
+    All of it is exact (small integers; a power of two), so the numbers are edgetrain.models.quantized's, bit
+    for bit."""
 
     rows: int
     cols: int
@@ -56,6 +59,7 @@ class MatrixFormat:
     group_size: int = 0
     zero_point: int | None = None
     row_halves: bool = False
+    signed: bool = False
 
     @property
     def packed(self) -> bool:
@@ -70,7 +74,13 @@ class MatrixFormat:
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "cols": self.cols, "bits": self.bits, "group_size": self.group_size,
-                "zero_point": self.zero_point, "row_halves": self.row_halves}
+                "zero_point": self.zero_point, "row_halves": self.row_halves, "signed": self.signed}
+
+
+# What a signed 8-bit code is short of its q (MatrixFormat.signed).
+SIGNED_CODE_SHIFT = 128
+# What a row_halves high nibble, read as floor(b / 16), is short of its q.
+HIGH_NIBBLE_SHIFT = 8
 
 
 def pack_row_halves(codes: torch.Tensor) -> torch.Tensor:
@@ -81,12 +91,23 @@ def pack_row_halves(codes: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the row_halves layout needs an even number of rows, not {rows}")
     integers = torch.stack([torch.bitwise_and(codes, 15), torch.bitwise_right_shift(codes, 4)], dim=-1)
     integers = integers.reshape(rows, -1)
-    high = torch.bitwise_xor(integers[rows // 2:], 8)  # read back as int8: & -16 gives 16 (q - 8)
+    high = torch.bitwise_xor(integers[rows // 2:], HIGH_NIBBLE_SHIFT)  # read back signed: 16 (q - 8) + low
     return torch.bitwise_or(integers[:rows // 2], torch.bitwise_left_shift(high, 4)).view(torch.int8)
 
 
-# What & -16 leaves of a row_halves high nibble, as a float: 16 (q - 8); this makes it 16 q.
-HIGH_NIBBLE_OFFSET = 128.0
+def sign_codes(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes (uint8 q) -> int8 q - 128 (MatrixFormat.signed)."""
+    return torch.bitwise_xor(codes, SIGNED_CODE_SHIFT).view(torch.int8)
+
+
+def _high_nibbles(bytes_as_floats: torch.Tensor) -> torch.Tensor:
+    """floor(b / 16): q - 8 of the row in a row_halves byte's high nibble."""
+    return torch.floor(bytes_as_floats * 0.0625)
+
+
+def _low_nibbles(bytes_as_floats: torch.Tensor) -> torch.Tensor:
+    """b - 16 floor(b / 16): q of the row in a row_halves byte's low nibble."""
+    return bytes_as_floats - _high_nibbles(bytes_as_floats) * 16.0
 
 
 class GraphPackedMatrix:
@@ -101,71 +122,58 @@ class GraphPackedMatrix:
         self.cols = matrix_format.cols
         self.codes, self.scales, self.biases = codes, scales, biases
 
-    def _dense(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-               factor: torch.Tensor | float = 1.0, offset: torch.Tensor | float = 0.0) -> torch.Tensor:
-        """Dense rows from their codes, scales and biases. In the row_halves layout, codes are one nibble masked
-        in place, `offset` (per row, or one number) is added to them as floats, and `factor` is what they then
-        carry in front (16 for high nibbles), divided out of the scales."""
-        rows = codes.shape[0]
-        if self.format.row_halves:
-            integers = codes.to(torch.float32)
-            if isinstance(offset, torch.Tensor):
-                integers = integers + offset.view(rows, 1)
-            elif offset:
-                integers = integers + offset
-            grouped = integers.view(rows, -1, self.format.group_size)
-            scales = scales.to(torch.float32)
-            if isinstance(factor, torch.Tensor):
-                scales = scales / factor.view(rows, 1)
-                zero = None if biases is not None else factor.view(rows, 1, 1) * self.format.zero_point
-            else:
-                scales = scales / factor if factor != 1.0 else scales
-                zero = None if biases is not None else factor * self.format.zero_point
-            if biases is None:
-                dense = (grouped - zero) * scales.unsqueeze(-1)
-            else:
-                dense = grouped * scales.unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
-            return dense.view(rows, self.cols)
+    def _dense(self, integers: torch.Tensor, shift: int, scales: torch.Tensor,
+               biases: torch.Tensor | None) -> torch.Tensor:
+        """Dense rows from their integers as floats, each `shift` short of its q, and their scales and biases:
+        scale (q - zero point), or scale q + bias, as edgetrain.models.quantized computes them."""
+        rows = integers.shape[0]
+        groups = self.cols // self.format.group_size
+        grouped = integers.view(rows, groups, self.format.group_size)
+        # view, not unsqueeze: ExecuTorch runs a view as an alias of the same memory, an unsqueeze as a copy.
+        scales = scales.to(torch.float32).view(rows, groups, 1)
+        if biases is None:
+            zero = self.format.zero_point - shift
+            dense = (grouped - zero if zero else grouped) * scales
+        else:
+            dense = (grouped + shift if shift else grouped) * scales + biases.to(torch.float32).view(rows, groups, 1)
+        return dense.view(rows, self.cols)
+
+    def _integers(self, codes: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The integers of unsplit codes (8 bits, or 4 bits as loaded) as floats, and their shift (_dense)."""
         if self.format.bits == 4:
-            # Byte i holds columns 2i (low nibble) and 2i + 1 (high nibble). A right shift is not in the
-            # Core ATen opset ExecuTorch runs; floor division by 16 is the same on unsigned bytes.
+            # A right shift is not in the Core ATen opset ExecuTorch runs; floor division by 16 is the same on
+            # unsigned bytes.
             low = torch.bitwise_and(codes, 15)
             high = torch.div(codes, 16, rounding_mode="floor")
-            integers = torch.stack([low, high], dim=-1).reshape(rows, self.cols)
-        else:
-            integers = codes
-        grouped = integers.to(torch.float32).view(rows, -1, self.format.group_size)
-        if biases is None:
-            dense = (grouped - self.format.zero_point) * scales.to(torch.float32).unsqueeze(-1)
-        else:
-            dense = grouped * scales.to(torch.float32).unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
-        return dense.view(rows, self.cols)
+            return torch.stack([low, high], dim=-1).reshape(codes.shape[0], self.cols).to(torch.float32), 0
+        return codes.to(torch.float32), SIGNED_CODE_SHIFT if self.format.signed else 0
 
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None, device: object = None,
                         scratch: bool = False) -> torch.Tensor:
         biases = None if self.biases is None else self.biases[start:stop]
         if not self.format.row_halves:
-            return self._dense(self.codes[start:stop], self.scales[start:stop], biases)
+            return self._dense(*self._integers(self.codes[start:stop]), self.scales[start:stop], biases)
         half = self.rows // 2
         if start < half < stop:  # scratch_tiles never asks for this; a caller cutting its own tiles may
             return torch.cat([self.dequantize_rows(start, half), self.dequantize_rows(half, stop)])
         if stop <= half:
-            return self._dense(torch.bitwise_and(self.codes[start:stop], 15), self.scales[start:stop], biases)
-        return self._dense(torch.bitwise_and(self.codes[start - half:stop - half], -16), self.scales[start:stop],
-                           biases, factor=16.0, offset=HIGH_NIBBLE_OFFSET)
+            return self._dense(_low_nibbles(self.codes[start:stop].to(torch.float32)), 0, self.scales[start:stop],
+                               biases)
+        return self._dense(_high_nibbles(self.codes[start - half:stop - half].to(torch.float32)), HIGH_NIBBLE_SHIFT,
+                           self.scales[start:stop], biases)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         flat = indices.reshape(-1)
         biases = None if self.biases is None else self.biases[flat]
         if not self.format.row_halves:
-            return self._dense(self.codes[flat], self.scales[flat], biases).view(*indices.shape, self.cols)
+            dense = self._dense(*self._integers(self.codes[flat]), self.scales[flat], biases)
+            return dense.view(*indices.shape, self.cols)
         half = self.rows // 2
         upper = flat >= half
-        masks = torch.where(upper, -16, 15).to(torch.int8).unsqueeze(-1)
-        codes = torch.bitwise_and(self.codes[torch.where(upper, flat - half, flat)], masks)
-        factor, offset = torch.where(upper, 16.0, 1.0), torch.where(upper, HIGH_NIBBLE_OFFSET, 0.0)
-        return self._dense(codes, self.scales[flat], biases, factor=factor, offset=offset).view(*indices.shape,
-                                                                                                  self.cols)
+        bytes_as_floats = self.codes[torch.where(upper, flat - half, flat)].to(torch.float32)
+        high = _high_nibbles(bytes_as_floats)
+        integers = torch.where(upper.unsqueeze(-1), high + HIGH_NIBBLE_SHIFT, bytes_as_floats - high * 16.0)
+        return self._dense(integers, 0, self.scales[flat], biases).view(*indices.shape, self.cols)
 
     def tiled_product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T a tile of rows at a time, the tiles' products side by side: one concatenation (XNNPACK's) where

@@ -36,7 +36,7 @@ from torch import nn
 from edgetrain.data.batch import Batch
 from edgetrain.export.mesp_graph import (ADAMW_SCALARS, AdamWPiece, BlockBackwardPiece, BlockForwardPiece,
                                          BlockLayout, EmbedPiece, HeadPiece, MatrixFormat, ProjectionLayout,
-                                         pack_row_halves)
+                                         pack_row_halves, sign_codes)
 from edgetrain.export.trainable import ExportError
 from edgetrain.export.weights_file import WeightsFile, WeightsFileError, write_weights_file
 from edgetrain.files.atomic import atomic_write_bytes, ensure_writable_target
@@ -50,7 +50,8 @@ from edgetrain.models.quantized import PackedMatrix, TiedQuantizedHead
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.schedules import check_learning_rate
 
-FORMAT_VERSION = 2  # 2: 4-bit codes in the int8 row_halves layout (mesp_graph.MatrixFormat)
+# 2: 4-bit codes in the int8 row_halves layout; 3: 8-bit codes signed (mesp_graph.MatrixFormat)
+FORMAT_VERSION = 3
 METHODS = ("embed", "block_forward", "block_backward", "head", "adamw")
 
 
@@ -77,12 +78,14 @@ def _matrix(module: nn.Module | PackedMatrix | torch.Tensor) -> tuple[MatrixForm
     if isinstance(module, TiedQuantizedHead):
         module = module.table
     if isinstance(module, PackedMatrix):
-        # 4-bit codes go into the row_halves layout (MatrixFormat) whenever the rows split evenly.
+        # Codes go in as int8 (MatrixFormat): 8-bit ones signed, 4-bit ones in the row_halves layout whenever
+        # the rows split evenly.
         row_halves = module.bits == 4 and module.rows % 2 == 0
-        codes = pack_row_halves(module.codes) if row_halves else module.codes
+        signed = module.bits == 8
+        codes = pack_row_halves(module.codes) if row_halves else sign_codes(module.codes) if signed else module.codes
         parts = [codes, module.scales] + ([] if module.biases is None else [module.biases])
         return (MatrixFormat(module.rows, module.cols, module.bits, module.group_size, module.zero_point,
-                             row_halves), [part.detach() for part in parts])
+                             row_halves, signed), [part.detach() for part in parts])
     return MatrixFormat(*module.weight.shape), [module.weight.detach().to(torch.float32)]
 
 

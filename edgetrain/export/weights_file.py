@@ -12,8 +12,8 @@ become resident, and they are clean file pages the kernel can drop). Little-endi
                 u64 offset of its data from the start of the file, u64 its length in bytes
     the data, each tensor at a multiple of ALIGNMENT bytes
 
-Dtype codes: 0 float32, 1 int64, 2 uint8, 3 float16 (what a GGUF's packed blocks need), 4 int8 (4-bit codes
-in the row_halves layout: edgetrain/export/mesp_graph.py).
+Dtype codes: 0 float32, 1 int64, 2 uint8, 3 float16 (what a GGUF's packed blocks need), 4 int8 (packed codes
+as a MeSP program reads them: edgetrain/export/mesp_graph.py, MatrixFormat).
 """
 from __future__ import annotations
 

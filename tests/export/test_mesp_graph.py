@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgetrain.export.mesp_graph import GraphPackedMatrix, MatrixFormat, pack_row_halves
+from edgetrain.export.mesp_graph import GraphPackedMatrix, MatrixFormat, pack_row_halves, sign_codes
 from edgetrain.export.mesp_program import _matrix
 from edgetrain.models.quantized import PackedMatrix
 
@@ -32,6 +32,8 @@ def test_every_tile_and_gathered_row_equals_the_loaded_matrix_bit_for_bit(bits, 
     expected = matrix.dequantize(torch.float32)
     graph = graph_matrix(matrix)
     assert graph.format.row_halves == (bits == 4 and rows % 2 == 0)
+    assert graph.format.signed == (bits == 8)
+    assert graph.codes.dtype == (torch.uint8 if bits == 4 and rows % 2 else torch.int8)
     tiles = list(graph.scratch_tiles(rows_per_tile=20))
     assert [start for start, _, _ in tiles][0] == 0 and tiles[-1][1] == rows
     for start, stop, tile in tiles:
@@ -50,9 +52,18 @@ def test_row_halves_holds_the_upper_half_in_the_high_nibbles():
     assert halves.shape == (2, 6) and halves.dtype == torch.int8
     assert torch.equal(halves & 15, integers[:2].to(torch.int8))
     assert torch.equal((halves & -16).float() + 128, 16 * integers[2:].float())  # 16 (q - 8) + 128
+    # What the graph reads in floats: floor(b / 16) = q - 8 of the upper row, b - 16 floor(b / 16) = q of the lower.
+    as_floats = halves.float()
+    assert torch.equal(torch.floor(as_floats / 16) + 8, integers[2:].float())
+    assert torch.equal(as_floats - 16 * torch.floor(as_floats / 16), integers[:2].float())
     with pytest.raises(ValueError, match="even number of rows"):
         pack_row_halves(loaded[:3])
     assert MatrixFormat(4, 6, 4, 2, None, True).to_json()["row_halves"] is True
+
+
+def test_signed_codes_are_q_minus_128():
+    codes = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(sign_codes(codes).to(torch.int32), codes.to(torch.int32) - 128)
 
 
 def test_a_traced_packed_linear_is_its_tiles_side_by_side():

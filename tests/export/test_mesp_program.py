@@ -217,7 +217,7 @@ def test_the_cli_exports_and_checks_against_torch(tmp_path, capsys):
     report = json.loads(printed.strip().splitlines()[-1])
     assert report["method"] == "mesp" and report["steps"] == 2
     assert report["max_loss_error"] <= TOLERANCE and report["max_adapter_error"] <= TOLERANCE
-    assert WeightsFile(weights_path_for(out)).tensor("blocks.0.gate.codes").dtype == torch.uint8
+    assert WeightsFile(weights_path_for(out)).tensor("blocks.0.gate.codes").dtype == torch.int8  # q - 128
 
 
 def test_addmm_is_split_into_the_optimized_mm_with_its_scales():
@@ -233,7 +233,69 @@ def test_addmm_is_split_into_the_optimized_mm_with_its_scales():
     assert _split_addmm(exported.graph_module) == 1
     targets = {str(node.target) for node in exported.graph_module.graph.nodes}
     assert "aten.addmm.default" not in targets and "aten.mm.default" in targets
+    assert "aten.mul.Scalar" not in targets  # ExecuTorch's portable kernel; XNNPACK takes mul.Tensor
     torch.testing.assert_close(exported.module()(*args), Scaled()(*args))
+
+
+def _pieces(monkeypatch, tmp_path, model) -> tuple[dict, dict]:
+    """The modules and example inputs export_mesp_program hands to the lowering."""
+    from edgetrain.export import executorch as lowering
+
+    captured = {}
+
+    def capture(modules, examples, delegate="xnnpack"):
+        captured.update(modules=modules, examples=examples)
+        raise KeyboardInterrupt  # not an Exception: nothing on the way catches it
+
+    monkeypatch.setattr(lowering, "lower_methods", capture)
+    with pytest.raises(KeyboardInterrupt):
+        export_mesp_program(model, BATCH, SEQ, tmp_path / "never.pte")
+    return captured["modules"], captured["examples"]
+
+
+# What ExecuTorch's portable kernels would run on a whole tile of weights or activations, one element at a time:
+# a byte mask at 2.4 ns a byte was a third of a SmolLM2 block's time, a number times a tensor (mul.Scalar) or an
+# alias each a pass XNNPACK would not take.
+_SLOW_ON_TILES = ("aten.mul.Scalar", "aten.alias.default", "aten.div.Tensor_mode")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_pieces_leave_no_tile_to_the_portable_kernels_and_keep_their_numbers(monkeypatch, tmp_path, bits):
+    from edgetrain.export.executorch import (_linear_for_transposed_products, _replace_empty_permuted, _split_addmm,
+                                             trace_for_lowering)
+
+    modules, examples = _pieces(monkeypatch, tmp_path, lora_tiny(quantize_bits=bits, layers=1))
+    torch.manual_seed(1)
+    for name in ("embed", "block_forward", "block_backward", "head"):
+        args = list(examples[name])
+        if name == "embed":
+            args[0] = torch.randint(0, 256, args[0].shape)
+        else:
+            args[0] = torch.randn_like(args[0])
+        if name == "block_backward":
+            args[1] = torch.randn_like(args[1]) * 1e-2
+        if name == "head":
+            args[1] = torch.randint(0, 256, args[1].shape)
+        exported = trace_for_lowering(modules[name], tuple(examples[name]))
+        nodes = [node for node in exported.graph_module.graph.nodes if node.op == "call_function"]
+        slow = sorted({str(node.target) for node in nodes if str(node.target).startswith(_SLOW_ON_TILES)})
+        assert not slow, (name, slow)
+        for node in nodes:
+            if node.target == torch.ops.aten.expand.default:  # a real broadcast, not a copy to the same shape
+                assert node.meta["val"].shape != node.args[0].meta["val"].shape, name
+            if str(node.target).startswith("aten.bitwise_and"):  # on masks (the loss's), never on codes
+                assert node.meta["val"].dtype == torch.bool, name
+            if node.target == torch.ops.aten.copy.default:  # only a write into another layout (attention's)
+                assert node.meta["val"].stride() != node.args[1].meta["val"].stride(), name
+            if node.target == torch.ops.aten._to_copy.default:  # integer codes reach float as dequantisations
+                assert node.args[0].meta["val"].dtype not in (torch.int8, torch.uint8), name
+        # Against the graph with only the rewrites that reorder arithmetic (addmm split up): the rest are exact.
+        plain = torch.export.export(modules[name], tuple(examples[name]), strict=False).run_decompositions()
+        for rewrite in (_replace_empty_permuted, _split_addmm, _linear_for_transposed_products):
+            rewrite(plain.graph_module)
+        for got, expected in zip(torch.utils._pytree.tree_leaves(exported.module()(*args)),
+                                 torch.utils._pytree.tree_leaves(plain.module()(*args))):
+            assert torch.equal(got, expected), name
 
 
 def test_lowering_keeps_the_traced_order_so_tiles_are_not_all_alive_at_once():
