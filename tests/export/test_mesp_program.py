@@ -254,8 +254,8 @@ def _pieces(monkeypatch, tmp_path, model) -> tuple[dict, dict]:
 
 
 # What ExecuTorch's portable kernels would run on a whole tile of weights or activations, one element at a time:
-# a byte mask at 2.4 ns a byte was a third of a SmolLM2 block's time, a number times a tensor (mul.Scalar) or an
-# alias each a pass XNNPACK would not take.
+# a byte mask at 2.4 ns a byte was a third of a SmolLM2 block's time, a `where` over attention scores 8 ns an
+# element; a number times a tensor (mul.Scalar) or an alias each a pass XNNPACK would not take.
 _SLOW_ON_TILES = ("aten.mul.Scalar", "aten.alias.default", "aten.div.Tensor_mode")
 
 
@@ -283,6 +283,8 @@ def test_packed_pieces_leave_no_tile_to_the_portable_kernels_and_keep_their_numb
         for node in nodes:
             if node.target == torch.ops.aten.expand.default:  # a real broadcast, not a copy to the same shape
                 assert node.meta["val"].shape != node.args[0].meta["val"].shape, name
+            if node.target == torch.ops.aten.where.self:  # on a mask, never over a batch of attention scores
+                assert node.meta["val"].dim() <= 2, name
             if str(node.target).startswith("aten.bitwise_and"):  # on masks (the loss's), never on codes
                 assert node.meta["val"].dtype == torch.bool, name
             if node.target == torch.ops.aten.copy.default:  # only a write into another layout (attention's)

@@ -188,7 +188,17 @@ def _causal_probabilities(q_chunk: torch.Tensor, keys: torch.Tensor, start: int,
         positions = torch.arange(rows, device=scores.device)
         future = positions.unsqueeze(0) > positions.unsqueeze(1)  # (bool triu_ is oddly slow on CPU)
         batch, kv_heads = scores.shape[:2]
-        scores.view(batch, kv_heads, groups, rows, stop)[..., start:].masked_fill_(future, float("-inf"))
+        by_group = scores.view(batch, kv_heads, groups, rows, stop)
+        if torch.compiler.is_exporting():
+            # A traced program (edgetrain/export/mesp_graph.py) adds the mask, 0 or -inf, over the whole window:
+            # one broadcast add XNNPACK runs, where this slice's in-place fill traces to ExecuTorch's portable
+            # `where` (8 ns an element) and a slice write. x + 0 = x and x + -inf = -inf: the same softmax.
+            bias = torch.where(future, float("-inf"), 0.0).to(scores.dtype)
+            if start:
+                bias = torch.cat([bias.new_zeros(rows, start), bias], dim=1)
+            scores = (by_group + bias).view(scores.shape)
+        else:
+            by_group[..., start:].masked_fill_(future, float("-inf"))
     scores.sub_(scores.amax(-1, keepdim=True)).exp_()
     return scores.div_(scores.sum(-1, keepdim=True))
 
