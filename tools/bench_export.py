@@ -17,9 +17,13 @@ Peaks are the kernel's high-water mark of each process as it reports it (VmHWM; 
 the forked copy of this process before exec). Step times are the median
 of the steps after the first (which pages the weights in); the runners report their own. torch runs its
 default intra-op threads (printed); the runners run ExecuTorch's kernels on one thread and XNNPACK on its pool.
+The two arms the step target compares (torch mesp, runner packed) run --repeats times each, alternating, after
+every export: on a shared machine one process's step time moved by up to 40% between identical runs, and
+alternation spreads whatever else the machine is doing over both. Their rows are the medians of the repeats
+(each repeat is printed).
 
   .venv/bin/python tools/bench_export.py --model ~/.cache/edgetrain/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
-  .venv/bin/python tools/bench_export.py --model tiny --seq 32 --steps 3            # a quick look
+  .venv/bin/python tools/bench_export.py --model tiny --seq 32 --steps 3 --repeats 1   # a quick look
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import argparse
 import itertools
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="steps per arm (the first is not timed)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of torch mesp and the packed runner each, alternating (their medians are reported)")
     parser.add_argument("--layers", type=int, default=None, help="keep the first N blocks (every arm alike)")
     parser.add_argument("--skip-joint", action="store_true", help="leave out the joint-graph export")
     parser.add_argument("--build", default=str(REPO / "build" / "native"), help="where the runners are built")
@@ -97,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     import torch
 
@@ -124,23 +133,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model {args.model} ({len(model.blocks)} blocks, LoRA r{args.rank}), seq {args.seq} x batch {args.batch}, "
           f"{args.steps} steps an arm", flush=True)
 
-    rows = {}
-    torch_out = run([sys.executable, "-c", _TORCH_CHILD, json.dumps(
-        {"model": args.model, "rank": args.rank, "layers": args.layers, "batches": str(batch_file)})])
-    torch_result = json.loads(torch_out.strip().splitlines()[-1])
-    rows["torch mesp"] = {"peak_mib": (torch_result["peak_bytes"] - torch_result["floor_bytes"]) / MIB,
-                          "step_s": torch_result["step_seconds"], "note": f"above its import floor "
-                          f"({torch_result['floor_bytes'] / MIB:.0f} MiB), {torch_result['threads']} threads"}
-
     programs = {"runner, packed": export_mesp_program(model, args.batch, args.seq, work / "packed.pte")[0],
                 "packed, no XNNPACK": export_mesp_program(model, args.batch, args.seq, work / "packed-plain.pte",
                                                           delegate="none")[0]}
     del model
     programs["runner, fp32"] = export_mesp_program(lora_model(quantized=False), args.batch, args.seq,
                                                    work / "fp32.pte")[0]
-    for name, program in programs.items():
-        output = run([str(mesp_runner), str(program), str(batch_file)])
-        rows[name] = {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": runner_step_seconds(output), "note": "whole process"}
+
+    def torch_arm() -> dict:
+        output = run([sys.executable, "-c", _TORCH_CHILD, json.dumps(
+            {"model": args.model, "rank": args.rank, "layers": args.layers, "batches": str(batch_file)})])
+        result = json.loads(output.strip().splitlines()[-1])
+        return {"peak_mib": (result["peak_bytes"] - result["floor_bytes"]) / MIB, "step_s": result["step_seconds"],
+                "note": f"above its import floor ({result['floor_bytes'] / MIB:.0f} MiB), {result['threads']} threads"}
+
+    def runner_arm(name: str) -> dict:
+        output = run([str(mesp_runner), str(programs[name]), str(batch_file)])
+        return {"peak_mib": runner_peak_bytes(output) / MIB, "step_s": runner_step_seconds(output),
+                "note": "whole process"}
+
+    repeated: dict[str, list[dict]] = {"torch mesp": [], "runner, packed": []}
+    for repeat in range(args.repeats):
+        for name in repeated:
+            repeated[name].append(torch_arm() if name == "torch mesp" else runner_arm(name))
+            print(f"{name} (run {repeat + 1}): {repeated[name][-1]['peak_mib']:.0f} MiB, "
+                  f"{repeated[name][-1]['step_s']:.3f} s/step", flush=True)
+    rows = {}
+    for name, runs in repeated.items():
+        rows[name] = {"peak_mib": statistics.median(r["peak_mib"] for r in runs),
+                      "step_s": statistics.median(r["step_s"] for r in runs),
+                      "note": runs[0]["note"] + (f"; median of {len(runs)} runs" if len(runs) > 1 else ""),
+                      "runs": [r["step_s"] for r in runs]}
+    for name in ("packed, no XNNPACK", "runner, fp32"):
+        rows[name] = runner_arm(name)
         print(f"{name}: {rows[name]['peak_mib']:.0f} MiB, {rows[name]['step_s']:.3f} s/step", flush=True)
     if joint_runner is not None:
         joint_model = lora_model(quantized=False)
@@ -158,11 +183,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               "packed runner step / torch mesp step": packed["step_s"] / reference["step_s"]}
     if "joint graph" in rows:
         ratios["packed runner peak / joint graph peak"] = packed["peak_mib"] / rows["joint graph"]["peak_mib"]
+    # Each run of the runner against the torch run just before it: how far one pair alone can be trusted.
+    paired = [runner["step_s"] / torch_run["step_s"]
+              for torch_run, runner in zip(repeated["torch mesp"], repeated["runner, packed"])]
     print()
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
+    print("packed runner step / torch mesp step, each alternating pair: "
+          + " ".join(f"{value:.2f}x" for value in paired))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "ratios": ratios, "paired_step_ratios": paired},
+                                              indent=1))
     return 0
 
 

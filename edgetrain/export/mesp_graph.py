@@ -47,7 +47,7 @@ class MatrixFormat:
       nibble and row r + rows/2's, plus 8 modulo 16, in its high one (pack_row_halves). Read as a signed
       byte b, floor(b / 16) is then the high row's q - 8 and b - 16 floor(b / 16) the low row's q: a tile of
       rows from either half is a few float operations XNNPACK runs. Integer masks would run on ExecuTorch's
-      portable kernels, about 2.4 ns a byte (a third of a block's time).
+      portable kernels, about 1 ns a byte (a sixth of a block forward's time).
     - 4 bits, odd rows: uint8 as loaded (byte i of a row holds columns 2i and 2i + 1), unpacked by a
       per-element concatenation; rare (every GGUF matrix has even rows), and slow.
     All of it is exact (small integers; a power of two), so the numbers are edgetrain.models.quantized's, bit

@@ -21,11 +21,13 @@ def test_bench_export_smoke(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "figures.json"
-    assert bench.main(["--model", "tiny", "--seq", "16", "--steps", "2", "--skip-joint", "--build",
+    assert bench.main(["--model", "tiny", "--seq", "16", "--steps", "2", "--repeats", "2", "--skip-joint", "--build",
                        str(tmp_path / "build"), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert set(figures["rows"]) == {"torch mesp", "runner, packed", "packed, no XNNPACK", "runner, fp32"}
     for row in figures["rows"].values():
         assert row["peak_mib"] > 0 and row["step_s"] > 0
     assert all(value > 0 for value in figures["ratios"].values())
-    assert "packed runner step / torch mesp step" in capsys.readouterr().out
+    assert len(figures["rows"]["runner, packed"]["runs"]) == 2 and len(figures["paired_step_ratios"]) == 2
+    printed = capsys.readouterr().out
+    assert "packed runner step / torch mesp step" in printed and "torch mesp (run 2)" in printed
