@@ -293,12 +293,13 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
 # What XNNPACK runs of a MeSP program: its matrix products (about 4x ExecuTorch's own mm here), and its tensor
 # operators, since ExecuTorch's portable kernels index every element one by one (a permute_copy moved about 6 ns
 # an element, a quarter of a SmolLM2 block's backward) where XNNPACK's are vectorised and run on its thread
-# pool. What XNNPACK has no operator for (integer masks, gathers, reductions other than mean) stays on
-# ExecuTorch's kernels; int8 -> float32 conversions reach it as dequantisations (_int8_conversions_as_dequantize).
+# pool. What XNNPACK has no operator for (gathers, reductions other than mean, float16 -> float32 conversions)
+# stays on ExecuTorch's kernels; int8 -> float32 conversions reach it as dequantisations
+# (_int8_conversions_as_dequantize), and packed codes are read without integer masks (mesp_graph.MatrixFormat).
 _XNNPACK_CONFIGS = ("AddmmConfig", "MMConfig", "LinearConfig", "BMMConfig", "AddConfig", "SubConfig", "MulConfig",
-                    "DivConfig", "NegConfig", "PowConfig", "ExpConfig", "FloorConfig", "SigmoidConfig", "ReciprocalSquareRootConfig",
-                    "MeanDimConfig", "PermuteConfig", "CatConfig", "SliceCopyConfig", "CloneDimOrderConfig",
-                    "ToDimOrderCopyConfig", "DeQuantizedPerTensorConfig")
+                    "DivConfig", "NegConfig", "PowConfig", "ExpConfig", "FloorConfig", "SigmoidConfig",
+                    "ReciprocalSquareRootConfig", "MeanDimConfig", "PermuteConfig", "CatConfig", "SliceCopyConfig",
+                    "CloneDimOrderConfig", "ToDimOrderCopyConfig", "DeQuantizedPerTensorConfig")
 
 
 def _xnnpack_operators() -> list:
@@ -327,7 +328,8 @@ DELEGATES.add("xnnpack", Delegate(_xnnpack_operators, (_int8_conversions_as_dequ
 DELEGATES.add("none", Delegate(list))
 
 
-def trace_for_lowering(module: nn.Module, example_inputs: tuple, delegate: str = "xnnpack") -> "torch.export.ExportedProgram":
+def trace_for_lowering(module: nn.Module, example_inputs: tuple,
+                       delegate: str = "xnnpack") -> "torch.export.ExportedProgram":
     """`module`'s forward graph as lower_methods lowers it: traced for `example_inputs`, decomposed to Core ATen,
     then rewritten for ExecuTorch's kernels (_replace_empty_permuted, _split_addmm,
     _linear_for_transposed_products, _drop_pass_through_copies) and for the delegate DELEGATES names. The
