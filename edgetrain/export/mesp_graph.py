@@ -105,9 +105,10 @@ def _high_nibbles(bytes_as_floats: torch.Tensor) -> torch.Tensor:
     return torch.floor(bytes_as_floats * 0.0625)
 
 
-def _low_nibbles(bytes_as_floats: torch.Tensor) -> torch.Tensor:
-    """b - 16 floor(b / 16): q of the row in a row_halves byte's low nibble."""
-    return bytes_as_floats - _high_nibbles(bytes_as_floats) * 16.0
+def _low_nibbles(bytes_as_floats: torch.Tensor, high_nibbles: torch.Tensor | None = None) -> torch.Tensor:
+    """b - 16 floor(b / 16): q of the row in a row_halves byte's low nibble (floor(b / 16) given, or computed)."""
+    high = _high_nibbles(bytes_as_floats) if high_nibbles is None else high_nibbles
+    return bytes_as_floats - high * 16.0
 
 
 class GraphPackedMatrix:
@@ -172,7 +173,7 @@ class GraphPackedMatrix:
         upper = flat >= half
         bytes_as_floats = self.codes[torch.where(upper, flat - half, flat)].to(torch.float32)
         high = _high_nibbles(bytes_as_floats)
-        integers = torch.where(upper.unsqueeze(-1), high + HIGH_NIBBLE_SHIFT, bytes_as_floats - high * 16.0)
+        integers = torch.where(upper.unsqueeze(-1), high + HIGH_NIBBLE_SHIFT, _low_nibbles(bytes_as_floats, high))
         return self._dense(integers, 0, self.scales[flat], biases).view(*indices.shape, self.cols)
 
     def tiled_product(self, x: torch.Tensor) -> torch.Tensor:
