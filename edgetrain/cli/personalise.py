@@ -7,7 +7,7 @@ the training state. It remembers the base model and method of its first `run` an
     edgetrain personalise add --store notes.et --retain general.jsonl    # the forgetting guard's general examples
     echo "a note" | edgetrain personalise add --store notes.et -
     edgetrain personalise run --store notes.et --model smollm2-135m --max-seconds 600 --require-power
-    edgetrain personalise status --store notes.et [--json]
+    edgetrain personalise status --store notes.et [--json] [--plot history.png]
     edgetrain personalise forget --store notes.et 3f2a9c0d1e4b5a6c
     edgetrain personalise rollback --store notes.et
 
@@ -104,6 +104,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                             "training last paused.")
     _common(status)
     status.add_argument("--json", action="store_true", help="print the status as one JSON object")
+    status.add_argument("--plot", default=None, metavar="FILE",
+                        help="also draw the history to FILE (.png, .svg, .pdf, ...): each window's held-out score "
+                             "against what it had to beat, its retain-set score against the base model's, "
+                             "promoted and rejected windows marked (needs matplotlib: the plot extra)")
+
 
     forget = actions.add_parser("forget", help="delete examples; versions that saw them become stale",
                                 description="Delete examples by id; every version that trained on them is marked "
@@ -241,13 +246,7 @@ def main(args: argparse.Namespace) -> int:
     from edgetrain.personalise import Personaliser
 
     if args.action == "status":
-        with Personaliser(args.store) as personaliser:
-            status = personaliser.status()
-        if args.json:
-            print(json.dumps(status, default=str))
-        else:
-            _print_status(status)
-        return 0
+        return _status(args)
     if args.action == "forget":
         with Personaliser(args.store) as personaliser:
             result = personaliser.forget(args.ids)
@@ -266,6 +265,33 @@ def main(args: argparse.Namespace) -> int:
         print("serving the base model" if target is None else f"serving version {target}")
         return 0
     return _run(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from edgetrain.personalise import Personaliser
+
+    rows = None
+    if args.plot is not None:
+        from edgetrain.personalise.history import require_history
+        from edgetrain.personalise.plot import plot_format
+
+        # Refused before anything is printed: a wrong suffix, no matplotlib, or a store with no gate yet.
+        plot_format(args.plot)
+        rows = require_history(args.store)
+    with Personaliser(args.store) as personaliser:
+        status = personaliser.status()
+    if rows is not None:
+        from edgetrain.personalise.plot import plot_history, summary
+
+        kind = {"lm": "decoder", "classify": "classifier"}.get(status["kind"], "no model yet")
+        plot_history(rows, args.plot, title=f"{status['model'] or 'the store'} ({kind}), {status['store']}")
+    if args.json:
+        print(json.dumps(status, default=str))  # one JSON object, with or without --plot
+    else:
+        _print_status(status)
+        if rows is not None:
+            print(f"plot:      {args.plot} ({summary(rows)})")
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
