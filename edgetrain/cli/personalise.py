@@ -109,7 +109,6 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "against what it had to beat, its retain-set score against the base model's, "
                              "promoted and rejected windows marked (needs matplotlib: the plot extra)")
 
-
     forget = actions.add_parser("forget", help="delete examples; versions that saw them become stale",
                                 description="Delete examples by id; every version that trained on them is marked "
                                             "stale and the next run rebuilds from the base without them.")
