@@ -14,10 +14,11 @@ How it uses edgetrain.Personaliser: `Policy(require_idle=True)` trains only whil
 and the chat says so while it waits at the prompt; when a line arrives it says not idle, so training pauses
 within one step and the reply gets the processor. A new version is only served once the gate promoted it:
 it beat the previous one on held-out exchanges, and the forgetting guard found it still answers general
-prompts as the base model did (its retain set, made by the base model on the first run). A quarter of
-each window's batches replay that set (`replay=0.25`): on SmolLM2 a window of plain-text notes moved its
-answers to general prompts 20-30% without it, and the guard rejected every window (docs/personalise.md has
-the figures). The chat then reloads the model with a promoted version. Replies use the model's own chat
+prompts as the base model did (its retain set, made by the base model on the first run). The sample keeps
+the Personaliser's defaults: with the guard on, a quarter of each window's batches replay that set (on
+SmolLM2 a window of plain-text notes moved its answers to general prompts 20-30% without it, and the guard
+rejected every window: docs/personalise.md has the figures). The chat then reloads the model with a
+promoted version. Replies use the model's own chat
 template (edgetrain.models.generate takes the conversation) and end at its end of turn. `--no-guard` turns
 the guard and replay off: a random preset such as `tiny` knows nothing to keep.
 """
@@ -91,7 +92,8 @@ def _news(events: "queue.Queue[dict]") -> list[str]:
             lines.append(f"(a new version, {event.get('version')}, beat the last on held-out exchanges)")
         elif event["event"] == "rejected" and "forgetting" in event.get("reason", ""):
             lines.append(f"(the last training window forgot what the model knew: its answers to general prompts "
-                         f"got {100 * event['retain_worsened']:.1f}% less likely; kept the current version)")
+                         f"got {100 * event['retain_worsened']:.1f}% less likely; kept the current version. "
+                         f"To help: {event['advice']})")
         elif event["event"] == "rejected":
             lines.append("(the last training window did not improve held-out exchanges: kept the current version)")
     return lines
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     personaliser = Personaliser(args.store, model=args.model, method=args.method, window_steps=args.window_steps,
                                 seq_len=args.seq, checkpoint_every=2, policy=Policy(require_idle=True),
                                 on_event=events.put, load=LoadOptions.asked_for(args),
-                                **({"retain_margin": None} if args.no_guard else {"replay": 0.25}))
+                                **({"retain_margin": None} if args.no_guard else {}))
     chat = Chat(personaliser, args.max_tokens)
     chat.refresh()
     status = personaliser.status()

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Does the personaliser keep what the model knew? Three arms side by side in one run, on a real model:
+"""Does the personaliser keep what the model knew? Four arms side by side in one run, on a real model:
 
-  no guard       the gate sees the user's held-out examples only (retain_margin=None)
-  guard          the default gate: the user's side, and the retain set's score worsened by at most 5%
+  defaults       Personaliser(store, model) with no option: what an app gets (guard on, replay 0.25)
+  no guard       the gate sees the user's held-out examples only (retain_margin=None; no replay)
+  guard          the gate: the user's side, and the retain set's score worsened by at most 5%; no replay
   guard+replay   the same, with a quarter of each window's batches drawn from the retain set
+  guard+replay 0.5   half of them (run it with --arms)
 
 Each arm gets the same stream of one user's notes, from one domain: Python's documentation (pydoc topics),
 split by topic into notes, a quarter of them added before each of the windows. After each window the served
@@ -39,10 +41,12 @@ from edgetrain.data import TextStream  # noqa: E402
 from edgetrain.models.generate import held_out_loss  # noqa: E402
 from edgetrain.personalise import Personaliser, Policy  # noqa: E402
 
-ARMS = {"no guard": dict(retain_margin=None), "guard": dict(), "guard+replay": dict(replay=0.25)}
-# The guard arms run first: the no-guard arm makes no retain set, and is scored on the guard arm's (the same
+ARMS = {"defaults": dict(), "no guard": dict(retain_margin=None), "guard": dict(replay=0.0),
+        "guard+replay": dict(replay=0.25), "guard+replay 0.5": dict(replay=0.5)}
+DEFAULT_ARMS = ("defaults", "no guard", "guard", "guard+replay")
+# The guard arms run first: the no-guard arm makes no retain set, and is scored on a guard arm's (the same
 # base answers the same prompts the same way: greedy).
-ORDER = ("guard", "guard+replay", "no guard")
+ORDER = ("defaults", "guard", "guard+replay", "guard+replay 0.5", "no guard")
 
 
 def text_batches(text: str, tokenizer: Any, seq: int, batches: int) -> list:
@@ -105,8 +109,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-batches", type=int, default=8, help="batches of 4 x --eval-seq tokens a set")
     parser.add_argument("--eval-seq", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="the tiny preset, short windows: a smoke run")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help=f"comma-separated arms to run, of: {', '.join(ARMS)} (default: {','.join(DEFAULT_ARMS)})")
     parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args(argv)
+    args.arms = [name.strip() for name in args.arms.split(",") if name.strip()]
+    unknown = [name for name in args.arms if name not in ARMS]
+    if unknown or not args.arms:
+        parser.error(f"--arms: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(ARMS)}")
     if args.threads != "auto":
         args.threads = int(args.threads)
     if args.quick:
@@ -132,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{args.window_steps} steps; user = {len(held_keys)} topics never added, general = fortunes",
               flush=True)
         results, retain_file = {}, None
-        for name in ORDER:
+        for name in (name for name in ORDER if name in args.arms):
             results[name] = run_arm(name, args, root, notes, sets, retain_file)
             retain_file = results[name]["retain_file"]
         # The base model's figures: the served model before any version, from a store of its own.
@@ -142,16 +152,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nbase model: user {base['user']:.3f}, general {base['general']:.3f}, retain {base['retain']:.3f}")
     print(f"\n| arm | promoted / windows | user ppl | general ppl | retain ppl |")
     print("|---|---|---|---|---|")
-    for name in ARMS:
+    for name in (name for name in ARMS if name in results):
         last = results[name]["rows"][-1]
         promoted = sum(r["gate"] == "promoted" for r in results[name]["rows"])
         change = {k: 100 * (last[k] / base[k] - 1) for k in ("user", "general", "retain")}
         print(f"| {name} | {promoted} / {len(results[name]['rows'])} | {last['user']:.3f} ({change['user']:+.1f}%) "
               f"| {last['general']:.3f} ({change['general']:+.1f}%) | {last['retain']:.3f} ({change['retain']:+.1f}%) |")
-    guard = results["guard"]["rows"]
+    guarded = next(name for name in ORDER if name in results)
+    guard = results[guarded]["rows"]
     built = guard[0].get("retain_built_seconds")
     if built is not None:
-        print(f"\nmaking the retain set: {built:.1f} s; the guard arm's first window trained for "
+        print(f"\nmaking the retain set: {built:.1f} s; the {guarded} arm's first window trained for "
               f"{guard[0]['step_seconds']:.1f} s: {built / guard[0]['step_seconds']:.2f}x a window's steps")
     print(f"(whole run {time.perf_counter() - started:.0f} s)")
     if args.json:

@@ -87,8 +87,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           f"{DEFAULT_RETAIN_MARGIN})")
     run.add_argument("--no-guard", action="store_true", help="no forgetting guard (the gate sees the user's "
                                                              "held-out examples only)")
-    run.add_argument("--replay", type=float, default=0.0, metavar="F",
-                     help="draw this fraction of each window's batches from the retain set (default 0)")
+    run.add_argument("--replay", type=float, default=None, metavar="F",
+                     help="draw this fraction of each window's batches from the retain set (default: 0.25 for "
+                          "decoders while the guard is on, else 0)")
     run.add_argument("--retain-prompts", default=None, metavar="FILE",
                      help="general prompts, one a line, whose base-model answers make a decoder's retain set "
                           "(default: edgetrain's own)")
@@ -186,6 +187,8 @@ def _event_logger():
                      event["value"], event["reference"], retain,
                      f" -> version {event['version']}" if kind == "promoted" else "",
                      f" [{event['reason']}]" if kind == "rejected" else "")
+            if event.get("advice"):
+                log.info("to help: %s", event["advice"])
         elif kind in ("paused", "waiting", "window", "window_resumed", "rejected", "window_abandoned",
                       "skipped_example", "version_damaged", "examples_dropped", "retain_built", "retain_rebuilt",
                       "retain_empty"):
@@ -223,6 +226,15 @@ def _print_status(status: dict[str, Any]) -> None:
         base = "" if guard["base"] is None else f", the base model's score {guard['base']:.4g}"
         print(f"retain:    {guard['answers'] or 0} base-model answers ({guard['prompts']} prompts), "
               f"{guard['app_examples']} general examples{base}")
+    gate = status.get("last_gate")
+    if gate is not None:
+        outcome = "promoted" if gate["event"] == "promoted" else f"rejected ({gate['reason']})"
+        print(f"last gate: window {gate['window']} {outcome}: held-out {gate['metric']} {gate['value']:.4g} "
+              f"against {gate['reference']:.4g}"
+              + ("" if gate.get("retain") is None else
+                 f"; retain set {gate['retain']:.4g} against the base's {gate['retain_base']:.4g}"))
+        if gate.get("advice"):
+            print(f"  to help: {gate['advice']}")
     print(f"running:   {'yes' if status['running'] else 'no'}")
     policy = status["policy"]
     if policy is not None:

@@ -39,7 +39,7 @@ from edgetrain.personalise.examples import ModelKind, is_held_out
 from edgetrain.personalise.kinds import model_kind
 from edgetrain.personalise.policy import Policy
 from edgetrain.personalise.retain import (DEFAULT_RETAIN_MARGIN, RetainSet, check_prompts, check_replay,
-                                          check_retain_margin)
+                                          check_retain_margin, default_replay)
 from edgetrain.personalise.run_result import RunResult
 from edgetrain.personalise.runner import Runner, run_lock
 from edgetrain.personalise.sensors import as_sensors
@@ -85,8 +85,10 @@ class Personaliser:
         rejected with reason "forgetting". None turns the guard off.
     retain_prompts: the general prompts whose base-model answers make a decoder's retain set (default:
         edgetrain.personalise.general_prompts); the app's own, recorded in the store when given.
-    replay: a fraction of each window's batches drawn from the retain set (0, the default: none), so that
-        training itself forgets less; the guard then scores only the retain records replay never sees.
+    replay: a fraction of each window's batches drawn from the retain set, so that training itself forgets
+        less; the guard then scores only the retain records replay never sees. None (the default): 0.25 for a
+        decoder while the guard is on (without it an Instruct model trained on plain notes is rejected for
+        forgetting window after window: docs/personalise.md), 0 for a classifier or with the guard off.
     threads: the learner's intra-op threads. "auto" (default) fits them, between steps, to the cores other
         processes leave free (edgetrain.training.threads): beside a busy app a step on a taken core stalls
         every torch worker. A number fixes them; None leaves torch's setting alone.
@@ -102,7 +104,7 @@ class Personaliser:
                  memory_budget: int | str | None = None, seed: int = 0, poll_seconds: float = 0.25,
                  load: LoadOptions | None = None, threads: int | str | None = "auto",
                  retain_margin: float | None = DEFAULT_RETAIN_MARGIN, retain_prompts: Sequence[str] | None = None,
-                 replay: float = 0.0) -> None:
+                 replay: float | None = None) -> None:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("window_steps", window_steps),
                             ("checkpoint_every", checkpoint_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -110,7 +112,7 @@ class Personaliser:
         if not isinstance(margin, (int, float)) or margin < 0:
             raise PersonaliseError(f"margin must be a number >= 0, got {margin!r}")
         self.retain_margin = check_retain_margin(retain_margin)
-        self.replay = check_replay(replay)
+        self._replay_requested = check_replay(replay)
         prompts = check_prompts(retain_prompts)
         self.directory = Path(store).expanduser()
         self.events = EventLog(self.directory / EVENTS, on_event)
@@ -152,6 +154,15 @@ class Personaliser:
         """What the store was created for: model, method, kind, LoRA config, held-out split; None before a
         model was given."""
         return self.store.get_meta("model")
+
+    @property
+    def replay(self) -> float:
+        """The fraction of each window's batches replayed from the retain set: the app's, else the default for
+        the store's kind of model (retain.default_replay)."""
+        if self._replay_requested is not None:
+            return self._replay_requested
+        bound = self.bound
+        return default_replay(bound["kind"]["task"] if bound else None, self.retain_margin)
 
     @property
     def serve_stale(self) -> bool:
@@ -305,7 +316,8 @@ class Personaliser:
     # -- status ---------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """Examples, held-out size, versions with their held-out metric, which one is promoted and served,
-        the open window, what the policy last read and why training last paused."""
+        the open window, the last gate's outcome (with what to change when it rejected for forgetting), what
+        the policy last read and why training last paused."""
         with self.store.reading() as connection:
             bound = self.store.get_meta("model", None, connection)
             ids = [row[0] for row in connection.execute("SELECT id FROM examples")]
@@ -317,6 +329,7 @@ class Personaliser:
             pause = self.store.get_meta("last_pause", None, connection)
             retention = self.store.get_meta("retention", None, connection)
             retain_base = self.store.get_meta("retain_base", None, connection)
+            last_gate = self.store.get_meta("last_gate", None, connection)
         every = bound["holdout_every"] if bound else None
         held_out = sum(is_held_out(i, every) for i in ids) if every else None
         serve_stale = self.serve_stale
@@ -334,7 +347,7 @@ class Personaliser:
                 "window": None if window is None else {k: window[k] for k in
                                                        ("number", "start", "train", "held_out", "reference",
                                                         "steps") if k in window},
-                "running": running, "policy": policy, "last_pause": pause,
+                "running": running, "policy": policy, "last_pause": pause, "last_gate": last_gate,
                 "guard": {"retain_margin": self.retain_margin, "replay": self.replay,
                           "base": None if retain_base is None else retain_base.get("value"),
                           **self.retain_set.status()}}

@@ -15,7 +15,10 @@ next-token distributions: it needs only the answers' token ids kept (the base's 
 metric the user side is already gated on, and it reads the same way (docs/personalise.md).
 
 Replay (`replay` > 0) trains on part of the retain set. Then the set is split in two by position: the
-odd records are replayed, the even ones scored, so the guard never scores what was trained on.
+odd records are replayed, the even ones scored, so the guard never scores what was trained on. An app that
+names no replay gets `default_replay`: a quarter of a decoder's batches while the guard is on (measured:
+without it the guard rejected every window of plain notes on an Instruct model, docs/personalise.md), none
+for a classifier, whose retain set is only what the app adds.
 
 The answers live in `retain/answers.jsonl`, their SHA-256 and the digest of the prompts they answer in the
 store's meta. A missing or damaged file, or one for other prompts, is rebuilt from the prompts with a
@@ -50,10 +53,47 @@ def check_retain_margin(value: float | None) -> float | None:
     return float(value)
 
 
-def check_replay(value: float) -> float:
+# task -> the replay fraction a guarded store uses when the app names none. Decoders: SmolLM2-135M-Instruct
+# on plain notes, tools/bench_forgetting.py (docs/personalise.md): the guard alone rejected 4 of 4 windows for
+# forgetting, a quarter replayed promoted 4 of 4 with general text within 1%. Classifiers: none, their retain
+# set is the app's own labelled examples and may be empty.
+DEFAULT_REPLAY = {"lm": 0.25, "classify": 0.0}
+REPLAY_CEILING = 0.5  # advice never suggests more: past half, a window learns more of the retain set than the user's
+
+
+def check_replay(value: float | None) -> float | None:
+    """A replay fraction in [0, 1), or None: the store's default (default_replay)."""
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise PersonaliseError(f"replay must be a fraction of the window's batches in [0, 1), got {value!r}")
+        raise PersonaliseError(f"replay must be a fraction of the window's batches in [0, 1) (or None: the "
+                               f"default for the model), got {value!r}")
     return float(value)
+
+
+def default_replay(task: str | None, retain_margin: float | None) -> float:
+    """The replay fraction of a store whose app named none: DEFAULT_REPLAY's for its task while the forgetting
+    guard is on, none with the guard off (nothing then asks training to keep the retain set)."""
+    if retain_margin is None or task is None:
+        return 0.0
+    return DEFAULT_REPLAY.get(task, 0.0)
+
+
+def forgetting_advice(task: str, replay: float, lr: float, retain_margin: float) -> str:
+    """What an app can change when the guard rejected a window for forgetting, most effective first: the
+    setting and its flag, as the `rejected` event and `personalise status` say it."""
+    steps = []
+    if task == "classify" and replay == 0:
+        steps.append("add general examples with their right labels (add_retain, `personalise add --retain`) and "
+                     "replay them (replay=0.25, --replay 0.25)")
+    elif replay < REPLAY_CEILING:
+        more = round(min(REPLAY_CEILING, replay + 0.25), 2)
+        steps.append(f"replay more of the retain set (replay={more}, --replay {more}; now {replay:g})")
+    steps.append(f"train more gently (lr={lr / 2:g}, --lr {lr / 2:g}; now {lr:g})")
+    looser = round(retain_margin * 2, 4) if retain_margin > 0 else 0.05
+    steps.append(f"or accept more forgetting (retain_margin={looser:g}, --retain-margin {looser:g}; now "
+                 f"{retain_margin:g})")
+    return "; ".join(steps)
 
 
 def check_prompts(prompts: Sequence[str] | None) -> list[str] | None:

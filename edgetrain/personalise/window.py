@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Protocol
 from edgetrain.personalise.errors import BadExampleError
 from edgetrain.personalise.examples import example_from_body, is_held_out
 from edgetrain.personalise.kinds import NotEnoughData, ReplaySampler, gate, write_snapshot
-from edgetrain.personalise.retain import RetainSplit, digest_of, worsened_by
+from edgetrain.personalise.retain import RetainSplit, digest_of, forgetting_advice, worsened_by
 from edgetrain.personalise.run_result import RunResult
 from edgetrain.personalise.store import Store
 from edgetrain.registry import EdgetrainError
@@ -406,8 +406,15 @@ class Windows:
         else:
             result.rejected += 1
             # Which side failed: "held_out" (no better on the user's examples than the start by the margin),
-            # "forgetting" (the retain score worsened from the base model's by more than retain_margin).
+            # "forgetting" (the retain score worsened from the base model's by more than retain_margin). A
+            # window rejected for forgetting says which setting would help: a store rejected window after
+            # window otherwise looks broken.
+            if "forgetting" in failed:
+                common["advice"] = forgetting_advice(owner.bound["kind"]["task"], owner.replay, state["lr"],
+                                                     owner.retain_margin)
             owner.events.emit("rejected", reason=" and ".join(failed), **common)
+        owner.store.set_meta("last_gate", {"event": "promoted" if promote else "rejected",
+                                           "reason": " and ".join(failed), **common})
         self.close()
 
     def close(self) -> None:

@@ -271,3 +271,54 @@ def test_a_pause_while_the_retain_set_is_made_stops_it_within_a_token_and_the_ne
     personaliser.resume()
     result = personaliser.run(max_steps=6)
     assert result.steps == 6 and len(recorder.of("retain_built")) == 1
+
+
+def test_a_decoder_store_replays_a_quarter_by_default_while_guarded_and_none_otherwise(tmp_path):
+    from edgetrain.personalise.retain import DEFAULT_REPLAY
+
+    recorder = Recorder()
+    # The guard's default margin, and no replay named (the kit's fast settings turn the guard off).
+    personaliser = make(tmp_path / "defaults", on_event=recorder, threads=1, retain_margin=0.05)
+    assert personaliser.replay == DEFAULT_REPLAY["lm"] == 0.25
+    assert personaliser.status()["guard"] == {**personaliser.status()["guard"], "retain_margin": 0.05, "replay": 0.25}
+    personaliser.add_many(english_texts(40))
+    personaliser.run(max_steps=6)
+    window = recorder.of("window")[0]
+    answers = len((tmp_path / "defaults" / "retain" / "answers.jsonl").read_text().splitlines())
+    assert window["replayed"] == answers // 2 > 0  # half the set is replayed, the other half scored
+    assert make(tmp_path / "unguarded", retain_margin=None).replay == 0.0  # nothing asks to keep the retain set
+    assert make(tmp_path / "explicit", retain_margin=0.05, replay=0.0).replay == 0.0  # the app's choice wins
+    assert Personaliser(tmp_path / "plain", "tiny").replay == 0.25  # Personaliser(store, model): guard and replay
+    assert Personaliser(tmp_path / "classifier", "mlp-digits").replay == 0.0
+    assert Personaliser(tmp_path / "unbound").replay == 0.0  # no model yet: nothing to replay for
+
+
+def test_a_rejection_for_forgetting_says_which_setting_would_help_in_the_event_status_and_cli(tmp_path, capsys):
+    from edgetrain.cli import main
+
+    recorder = Recorder()
+    personaliser = _guarded(tmp_path, recorder, lr=0.2, replay=0.25)
+    personaliser.add_many(NARROW)
+    personaliser.run(max_steps=6)
+    rejected = recorder.of("rejected")[0]
+    assert rejected["reason"] == "forgetting"
+    assert "replay=0.5" in rejected["advice"] and "--replay 0.5" in rejected["advice"]
+    assert "--lr 0.1" in rejected["advice"] and "--retain-margin 0.1" in rejected["advice"]
+    gate = personaliser.status()["last_gate"]
+    assert gate["event"] == "rejected" and gate["advice"] == rejected["advice"]
+    assert gate["retain_worsened"] == rejected["retain_worsened"]
+    personaliser.close()
+    assert main(["personalise", "status", "--store", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "last gate: window 1 rejected (forgetting)" in out and f"to help: {rejected['advice']}" in out
+
+
+def test_forgetting_advice_raises_replay_up_to_half_then_names_the_gentler_settings():
+    from edgetrain.personalise.retain import forgetting_advice
+
+    assert forgetting_advice("lm", 0.0, 1e-3, 0.05).startswith("replay more of the retain set (replay=0.25")
+    assert "replay=0.5," in forgetting_advice("lm", 0.3, 1e-3, 0.05)
+    at_ceiling = forgetting_advice("lm", 0.5, 1e-3, 0.05)
+    assert "replay" not in at_ceiling and at_ceiling.startswith("train more gently (lr=0.0005")
+    assert forgetting_advice("classify", 0.0, 1e-2, 0.05).startswith("add general examples")
+    assert "retain_margin=0.05" in forgetting_advice("lm", 0.25, 1e-3, 0.0)  # a zero margin cannot be doubled
