@@ -12,7 +12,8 @@
    adapters against the program's Python replay (bit for bit) and torch's mesp (within 1e-5).
 
     python samples/mesp_app_cpp.py                       # builds the runner in build/native; 40 steps
-    python samples/mesp_app_cpp.py --quick               # 6 steps (what the tests and ctest run)
+    python samples/mesp_app_cpp.py --quick               # 6 steps of the XNNPACK program (the slow lane runs it)
+    python samples/mesp_app_cpp.py --quick --delegate none   # ExecuTorch's own kernels: lowers in seconds (ctest)
     python samples/mesp_app_cpp.py --runner build/native/edgetrain_mesp_runner --text my-notes.txt
 """
 from __future__ import annotations
@@ -32,7 +33,12 @@ from edgetrain.export.mesp_program import AdamWSettings, MeSPProgramTrainer, exp
 from edgetrain.export.native import MESP_RUNNER, REPO, build_runner, run_mesp_runner
 from edgetrain.training.losses import lm_loss
 
-TOLERANCE = 1e-5
+TOLERANCE = 1e-5  # losses against torch's mesp
+# Adapters against torch's mesp, as a fraction of how far training moved each tensor. AdamW's first steps move
+# every entry by about +-lr whatever its gradient's size (m / sqrt(v) is its sign), so an entry whose gradient is
+# near eps follows the last bits of the two implementations' summation order (docs/export.md, Parity): no fixed
+# absolute bound holds for every program and kernel choice, while the trained change itself is what must agree.
+ADAPTER_TOLERANCE = 1e-2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--runner", default=None, help="a built edgetrain_mesp_runner (default: build one)")
     parser.add_argument("--workdir", default="mesp_app_cpp", help="where the program, batches and adapter go")
+    parser.add_argument("--delegate", default="xnnpack",
+                        help="xnnpack (default: what an app ships; lowering tiny takes minutes) or none "
+                             "(ExecuTorch's own kernels: seconds to lower, slower to run)")
     return parser
 
 
@@ -80,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     # 1. Ship time: the program and its weights file, the base packed to 4 bits.
     model = make_trainable(edgetrain.load_model("tiny", quantize_bits=4), "lora", rank=8)
     base = copy.deepcopy(model)
-    program, weights = export_mesp_program(model, args.batch, args.seq, workdir / "tiny-mesp.pte")
+    program, weights = export_mesp_program(model, args.batch, args.seq, workdir / "tiny-mesp.pte",
+                                           delegate=args.delegate)
     print(f"exported {program} and {weights}")
 
     # 2. The app's own token stream, as the batch file the runner reads; the last windows held out.
@@ -91,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     # 3. The device: MeSP in the native runner, checkpointed every step.
     binary = Path(args.runner) if args.runner else build_runner(REPO / "build" / "native", target=MESP_RUNNER)
     adapter_file = workdir / "user-adapter.safetensors"
+    # The program was just written anew: an earlier run's checkpoint trained another export (and a finished
+    # one would resume with no step left to take).
+    (workdir / "runner.ckpt").unlink(missing_ok=True)
     native = run_mesp_runner(binary, program, batch_file, lr=args.lr, checkpoint=workdir / "runner.ckpt",
                              save=adapter_file)
     print(f"native runner: loss {native.losses[0]:.4f} -> {native.losses[-1]:.4f} over {len(native.losses)} steps")
@@ -98,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     # 4. The adapter, loaded as any edgetrain adapter; and the same steps in the Python replay and in torch.
     from edgetrain.adapters.convert import load_adapter
 
+    initial = {name: p.detach().clone() for name, p in base.named_parameters() if p.requires_grad}
     before = held_out_loss(base, held_out)
     trained = copy.deepcopy(base)
     load_adapter(trained, adapter_file)
@@ -114,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
                 torch.equal(native.adapter[n], v) for n, v in replay.adapters().items()),
             "max_loss_diff_vs_torch": max(abs(a - b) for a, b in zip(native.losses, torch_losses)),
             "max_adapter_diff_vs_torch": max(float((native.adapter[n] - t).abs().max())
-                                             for n, t in torch_adapters.items())})
+                                             for n, t in torch_adapters.items()),
+            "max_adapter_diff_vs_torch_of_change": max(
+                float((native.adapter[n] - t).abs().max() / (t - initial[n]).abs().max().clamp_min(1e-12))
+                for n, t in torch_adapters.items())})
     print(json.dumps(report))
-    ok = after < before and report.get("bit_equal_to_python_replay", True) and max(
-        report.get("max_loss_diff_vs_torch", 0), report.get("max_adapter_diff_vs_torch", 0)) <= TOLERANCE
+    ok = (after < before and report.get("bit_equal_to_python_replay", True)
+          and report.get("max_loss_diff_vs_torch", 0) <= TOLERANCE
+          and report.get("max_adapter_diff_vs_torch_of_change", 0) <= ADAPTER_TOLERANCE)
     if not ok:
         print("the runner's adapter did not lower the held-out loss, or differs from the replay or torch",
               file=sys.stderr)

@@ -169,7 +169,9 @@ def test_ctrl_c_leaves_no_orphan():
                                "--seq", "512", "--steps", "50"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               preexec_fn=_as_from_a_terminal)
-    deadline = time.monotonic() + 60
+    # Generous: a busy machine (tools/test beside other work) can take a minute to start a worker; the bound
+    # only turns a hang into a failure.
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if [p for p in _profiler_children(parent.pid) if p.pid not in before]:
             break
@@ -181,7 +183,7 @@ def test_ctrl_c_leaves_no_orphan():
     time.sleep(1.0)
     parent.send_signal(signal.SIGINT)
     try:
-        _, err = parent.communicate(timeout=60)
+        _, err = parent.communicate(timeout=300)
     except subprocess.TimeoutExpired as exc:
         # Leave nothing behind, and say what the parent was doing (once seen on a loaded CI machine).
         workers = [(p.pid, p.status()) for p in _profiler_children(parent.pid) if p.pid not in before]
@@ -191,7 +193,7 @@ def test_ctrl_c_leaves_no_orphan():
         parent.kill()
         _, rest = parent.communicate()
         tail = ((exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or ""))
-        pytest.fail(f"profile did not exit within 60 s of SIGINT (SIGINT in pytest: {inherited or 'default'}); "
+        pytest.fail(f"profile did not exit within 300 s of SIGINT (SIGINT in pytest: {inherited or 'default'}); "
                     f"workers then: {workers}; its stderr ended with:\n"
                     + (tail + (rest or ""))[-1500:])
     assert parent.returncode == 130, err
