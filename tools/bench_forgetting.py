@@ -19,7 +19,8 @@ and the last line gives each arm's change from the base model. Every setting is 
 (mesp, AdamW lr 1e-3, batch 4 x 64 tokens, 20 steps a window, the GGUF's 4-bit base kept packed) unless a
 flag says otherwise. It also times the making of the retain set against the guard arm's first window.
 
-  .venv/bin/python tools/bench_forgetting.py            # SmolLM2-135M-Instruct (GGUF), about 20 min on 2 cores
+  .venv/bin/python tools/bench_forgetting.py            # SmolLM2-135M-Instruct (GGUF), four arms: an hour or more on 2 cores
+  .venv/bin/python tools/bench_forgetting.py --arms "defaults,guard"   # the arms named
   .venv/bin/python tools/bench_forgetting.py --quick    # the tiny preset, one short window: a smoke run
 """
 from __future__ import annotations
