@@ -3,6 +3,8 @@ readings, the learner and the personaliser applying it between steps, the flags.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 
 import pytest
 import torch
@@ -10,7 +12,18 @@ import torch
 import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.training import threads as threads_module
-from edgetrain.training.threads import CpuReading, ThreadFitter, fit_threads, others_busy_cores, threads_flag
+from edgetrain.training.checkpoint import CorruptCheckpointError, atomic_save_safetensors, load_latest_good
+from edgetrain.training.threads import (
+    CpuReading,
+    ThreadFitter,
+    add_step,
+    describe_runs,
+    fit_threads,
+    others_busy_cores,
+    resume_note,
+    threads_flag,
+    usable_cores,
+)
 
 
 @pytest.mark.parametrize("cores, others, limit, expected", [
@@ -137,3 +150,113 @@ def test_the_flags_take_a_count_or_auto_and_the_personaliser_fits_by_default(tmp
     personaliser.close()
     with pytest.raises(edgetrain.EdgetrainError, match="threads"):
         edgetrain.Personaliser(tmp_path / "other", threads="all")
+
+
+def test_steps_are_counted_as_runs_of_one_thread_count():
+    runs: list[list] = []
+    for count in (2, 2, 1, None, None):
+        add_step(runs, count)
+    assert runs == [[2, 2], [1, 1], [None, 2]]
+    assert describe_runs(runs) == "threads 2 x 2, then 1 x 1, then the framework's own x 2 steps"
+
+
+@pytest.mark.parametrize("runs, going_on, noted", [
+    ([[2, 5]], 2, False), ([[2, 5]], "auto", False), ([], "auto", False), ([[None, 4]], None, False),
+    ([[2, 5]], 1, True), ([[2, 3], [1, 2]], "auto", True), ([[2, 3], [1, 2]], 2, True), ([[None, 4]], 2, True)])
+def test_a_resume_is_noted_where_the_steps_did_not_all_take_one_count(runs, going_on, noted):
+    threads = ThreadFitter(cores=2) if going_on == "auto" else going_on
+    note = resume_note(runs, threads)
+    assert (note is not None) == noted
+    if noted:
+        assert describe_runs(runs) in note and "bit for bit" in note
+
+
+def _fitted_learner(load: FakeLoad):
+    return _learner(ThreadFitter(cores=2, read=load.read, sleep=lambda seconds: None))
+
+
+def test_checkpoints_record_each_steps_count_and_a_resume_says_what_mixed_counts_mean(
+        tmp_path, caplog, restore_torch_threads):
+    load = FakeLoad()
+    learner, model = _fitted_learner(load)
+    for index in range(3):
+        load.others = 1.0 if index == 2 else 0.0  # another process takes one core before the third step
+        learner.step(_batch(model, index))
+    assert learner.thread_runs == [[2, 2], [1, 1]]
+    learner.save_rotating(tmp_path)
+    assert json.loads(load_latest_good(tmp_path)[2]["state"])["threads"] == [[2, 2], [1, 1]]
+    resumed, model = _learner(2)
+    with caplog.at_level(logging.INFO, logger="edgetrain"):
+        resumed.resume(tmp_path)
+    assert resumed.thread_runs == [[2, 2], [1, 1]] and resumed.steps_done == 3
+    assert "threads 2 x 2, then 1 x 1 steps, and this run goes on with threads 2" in caplog.text
+    resumed.step(_batch(model, 3))
+    assert resumed.thread_runs == [[2, 2], [1, 1], [2, 1]]
+
+
+def test_one_count_throughout_resumes_without_a_note(tmp_path, caplog, restore_torch_threads):
+    learner, model = _learner(1)
+    learner.step(_batch(model, 0))
+    learner.save_rotating(tmp_path)
+    resumed, _ = _learner(1)
+    with caplog.at_level(logging.INFO, logger="edgetrain"):
+        resumed.resume(tmp_path)
+    assert resumed.thread_runs == [[1, 1]] and "its steps ran on" not in caplog.text
+
+
+def _rewritten_state(tmp_path, change):
+    """A checkpoint of one step whose state JSON `change` edited (checksum recomputed, as a writer would)."""
+    learner, model = _learner(1)
+    learner.step(_batch(model, 0))
+    learner.save_rotating(tmp_path / "written")
+    _, tensors, metadata = load_latest_good(tmp_path / "written")
+    state = json.loads(metadata["state"])
+    change(state)
+    return atomic_save_safetensors(tensors, tmp_path / "edited.safetensors", {**metadata, "state": json.dumps(state)})
+
+
+def test_a_checkpoint_from_before_the_record_loads_with_its_counts_unknown(tmp_path, restore_torch_threads):
+    path = _rewritten_state(tmp_path, lambda state: state.pop("threads"))
+    learner, model = _learner(1)
+    learner.load(path)
+    assert learner.steps_done == 1 and learner.thread_runs == []
+    learner.step(_batch(model, 1))
+    assert learner.thread_runs == [[1, 1]]
+
+
+@pytest.mark.parametrize("runs", ["1", [[0, 1]], [[True, 1]], [[1, 0]], [[1]], [[1, 2]], [[2.0, 1]]])
+def test_a_damaged_thread_record_is_refused_like_a_damaged_file(tmp_path, runs, restore_torch_threads):
+    path = _rewritten_state(tmp_path, lambda state: state.update(threads=runs))
+    learner, _ = _learner(1)
+    with pytest.raises(CorruptCheckpointError, match="threads"):
+        learner.load(path)
+    assert learner.steps_done == 0 and learner.thread_runs == []
+
+
+def test_a_backend_that_sizes_its_own_pool_warns_for_a_count_and_notes_auto(caplog, restore_torch_threads):
+    for threads, level in ((1, logging.WARNING), ("auto", logging.INFO)):
+        learner, model = _learner(threads)
+        learner.engine.set_threads = lambda count: False  # as the MLX engine answers
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="edgetrain"):
+            assert learner.step(_batch(model, 0)).threads is None
+        assert [r.levelno for r in caplog.records if "sizes its own thread pool" in r.message] == [level]
+        assert learner.thread_runs == [[None, 1]]
+
+
+def test_the_train_command_fits_threads_by_default_records_them_and_resumes(tmp_path, restore_torch_threads):
+    from edgetrain.cli import main
+    from edgetrain.cli.train import _torch_own_threads, build_parser, learner_threads
+
+    assert build_parser(argparse.ArgumentParser()).parse_args([]).threads == "auto"
+    assert learner_threads("auto").max_threads == _torch_own_threads() and learner_threads(3) == 3
+    command = ["train", "--model", "tiny", "--method", "bp", "--seq", "16", "--batch", "2", "--rank", "2",
+               "--quiet", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1"]
+    caller = usable_cores() + 1  # a count auto never picks
+    torch.set_num_threads(caller)
+    for steps in (3, 5):
+        assert main(command + ["--steps", str(steps)]) == 0
+        assert torch.get_num_threads() == caller  # the caller's count, given back
+        state = json.loads(load_latest_good(tmp_path)[2]["state"])
+        assert state["steps_done"] == steps and sum(n for _, n in state["threads"]) == steps
+        assert all(1 <= count <= min(_torch_own_threads(), usable_cores()) for count, _ in state["threads"])

@@ -2,17 +2,22 @@
 
 Run it again with the same --checkpoint-dir and it resumes from the newest checkpoint that passes its
 checksum, at the same stream position, RNG state and method seeds: a run killed at any moment and
-resumed reaches the same weights, bit for bit, as one that was never interrupted.
+resumed reaches the same weights, bit for bit, as one that was never interrupted and took each step on the
+same number of threads. --threads N fixes that number; the default, auto, fits it between steps to the cores
+other processes leave free (beside one busy core a step on every core took 3.5-4x as long,
+docs/benchmarks.md), so each checkpoint records the counts its steps ran on, and a resumed run whose counts
+were not all one says so in one log line.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from typing import Callable
 
 from edgetrain.backends.load_options import LoadOptions, add_load_flags
-from edgetrain.training.threads import threads_flag
+from edgetrain.training.threads import ThreadFitter, threads_flag
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,9 +44,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
                         help="clip each update to a global L2 norm of X (bp, mebp, mesp)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", default=None, type=threads_flag, metavar="N|auto",
-                        help="intra-op threads: a number, or auto for the cores other processes leave free, "
-                             "checked between steps (default: torch's own; a fixed count resumes bit for bit)")
+    parser.add_argument("--threads", default="auto", type=threads_flag, metavar="N|auto",
+                        help="intra-op threads. auto (default): torch's own count, less the cores other processes "
+                             "keep busy, checked between steps; a killed run resumes bit for bit where its steps "
+                             "took the same counts as the uninterrupted run (each checkpoint records them). N: "
+                             "always N; a killed run resumes bit for bit")
     parser.add_argument("--method-option", action="append", default=[], metavar="KEY=JSON",
                         help="an option of the method, e.g. epsilon=0.001 (repeatable)")
     parser.add_argument("--checkpoint-dir", default=None)
@@ -114,7 +121,33 @@ def _check_outputs(args: argparse.Namespace, backend) -> None:
             raise EdgetrainError(f"--log-jsonl {log} exists and cannot be written")
 
 
+@functools.cache
+def _torch_own_threads() -> int:
+    """torch's intra-op thread count before this process changed it (physical cores, or OMP_NUM_THREADS)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def learner_threads(setting: int | str) -> int | ThreadFitter:
+    """--threads as the learner takes it. auto never goes above torch's own count, so on a quiet machine every
+    step runs on the count a run took before auto was the default (and OMP_NUM_THREADS still caps it)."""
+    return ThreadFitter(max_threads=_torch_own_threads()) if setting == "auto" else setting
+
+
 def main(args: argparse.Namespace) -> int:
+    import torch
+
+    # The learner sets torch's (process-wide) thread count before each step: a caller that runs this command
+    # in its own process (tests, an app) gets its own count back.
+    saved = torch.get_num_threads()
+    try:
+        return _train(args)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
 
     import edgetrain
@@ -142,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
                                 lr_schedule=args.lr_schedule,
                                 schedule_options=_method_options(args.schedule_option, "--schedule-option") or None,
                                 accumulate=args.accumulate, max_grad_norm=args.max_grad_norm,
-                                threads=args.threads)
+                                threads=learner_threads(args.threads))
     if args.checkpoint_dir:
         resumed = learner.resume(args.checkpoint_dir)
         if resumed is not None:

@@ -31,7 +31,7 @@ from edgetrain.registry import EdgetrainError
 
 __all__ = [
     "CHECKSUM_KEY", "LEGACY_CHECKSUM_KEY", "CorruptCheckpointError", "tensors_sha256", "payload_sha256",
-    "atomic_save_safetensors", "load_safetensors_checked", "metadata_json", "check_counters",
+    "atomic_save_safetensors", "load_safetensors_checked", "metadata_json", "check_counters", "check_thread_runs",
     "flatten_optimizer_state", "unflatten_optimizer_state", "rotating_checkpoint_paths", "save_rotating",
     "load_latest_good",
     # re-exported from edgetrain.files.atomic
@@ -132,6 +132,24 @@ def check_counters(state: dict, source: str) -> None:
         value = state.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CorruptCheckpointError(f"{source}: {key} must be a whole number >= 0, got {value!r}")
+
+
+def check_thread_runs(state: dict, source: str) -> list[list]:
+    """The thread counts a learner checkpoint recorded (edgetrain.training.threads.add_step): [count, steps]
+    pairs, count a whole number >= 1 or null (the framework's own), steps >= 1, no more steps in all than
+    steps_done. A checkpoint written before they were recorded has none: [] (its steps' counts are unknown)."""
+    runs = state.get("threads", [])
+
+    def whole(value: object, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    if not isinstance(runs, list) or not all(
+            isinstance(run, list) and len(run) == 2 and (run[0] is None or whole(run[0], 1)) and whole(run[1], 1)
+            for run in runs):
+        raise CorruptCheckpointError(f"{source}: threads must be [count, steps] pairs, got {runs!r}")
+    if sum(steps for _, steps in runs) > state["steps_done"]:
+        raise CorruptCheckpointError(f"{source}: threads count more steps than steps_done ({state['steps_done']})")
+    return runs
 
 
 def flatten_optimizer_state(state: dict) -> tuple[dict[str, torch.Tensor], dict]:

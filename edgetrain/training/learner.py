@@ -37,6 +37,7 @@ from edgetrain.training.checkpoint import (
     CorruptCheckpointError,
     atomic_save_safetensors,
     check_counters,
+    check_thread_runs,
     load_latest_good,
     load_safetensors_checked,
     metadata_json,
@@ -47,7 +48,7 @@ from edgetrain.training.fit_loop import fit_stream, format_progress, stats_dict 
 from edgetrain.training.gradient_steps import check_accumulation, check_gradient_step_method, micro_batches
 from edgetrain.training.schedules import LRSchedule, check_learning_rate, check_same_schedule
 from edgetrain.training.stats import StepStats
-from edgetrain.training.threads import thread_count, thread_fitter
+from edgetrain.training.threads import add_step, resume_note, thread_count, thread_fitter
 from edgetrain.utils.logs import get_logger
 from edgetrain.utils.memory_sizes import parse_bytes
 
@@ -81,8 +82,8 @@ class Learner:
     that update's global L2 norm. Both need a method whose step is its gradient and one optimizer update
     (bp, mebp, mesp). `threads` sets torch's intra-op threads before every step: a number, or "auto" for
     the cores other processes left free, checked between steps (edgetrain.training.threads: beside a busy
-    app, threads on a taken core stall the step); None leaves them as they are. A run that must resume to
-    the same bits keeps a fixed count."""
+    app, threads on a taken core stall the step); None leaves them as they are. Checkpoints record each
+    step's count (thread_runs); a run that must resume to the bits of any other run keeps a fixed count."""
 
     def __init__(self, model: Any, method: str = "bp", backend: str = "torch-cpu",
                  optimizer: str | Callable = "sgd", lr: float = 1e-3, *,
@@ -130,6 +131,9 @@ class Learner:
             self.budget_probe = stand_in
         self.steps_done = 0
         self.stream_position = 0
+        # Each step's intra-op thread count as [count, steps] runs (edgetrain.training.threads.add_step),
+        # saved with each checkpoint: with threads="auto" they are what a bit-for-bit match depends on.
+        self.thread_runs: list[list] = []
         # What the stream fed (IndexedStream.fingerprint), saved with each checkpoint; after a resume, the
         # checkpoint's, until fit has checked that the stream it is given is the same data.
         self.data_fingerprint: dict | None = None
@@ -179,8 +183,12 @@ class Learner:
         method is tried, or MemoryBudgetError is raised)."""
         prepared = self._prepare(batch)
         if not self.budget_checked:
-            return first_step_within_budget(self, batch)
-        return self._measured_step(batch, prepared, self.probe)
+            stats = first_step_within_budget(self, batch)
+        else:
+            stats = self._measured_step(batch, prepared, self.probe)
+        # Here, not in _measured_step: the budget guard's undone tries are not steps of the run.
+        add_step(self.thread_runs, stats.threads)
+        return stats
 
     def step_measured_by(self, probe: Any, batch: Batch) -> StepStats:
         """One step past the memory-budget guard, its memory read by `probe` (the guard's measurements)."""
@@ -231,8 +239,11 @@ class Learner:
             return None
         count = thread_count(self.threads)
         if not self.engine.set_threads(count):
-            log.warning("threads=%r: the %s backend sizes its own thread pool; left as it is",
-                        self.threads if isinstance(self.threads, int) else "auto", self.backend.name)
+            # A count asked for and not given is worth a warning; "auto" asks for no more than such a
+            # backend does anyway (edgetrain train passes it by default).
+            report = log.warning if isinstance(self.threads, int) else log.info
+            report("threads=%r: the %s backend sizes its own thread pool; left as it is",
+                   self.threads if isinstance(self.threads, int) else "auto", self.backend.name)
             self.threads = None
             return None
         return count
@@ -297,7 +308,7 @@ class Learner:
                     "state": json.dumps({"steps_done": self.steps_done, "stream_position": self.stream_position,
                                          "method": self.method.state_dict(), **extra_state,
                                          "lr_schedule": self.lr_schedule.to_dict(), "base_lrs": self.base_lrs,
-                                         "data": self.data_fingerprint})}
+                                         "data": self.data_fingerprint, "threads": self.thread_runs})}
         return tensors, metadata
 
     def save(self, path: str | Path) -> Path:
@@ -322,6 +333,9 @@ class Learner:
         # A checkpoint whose state cannot be restored (CorruptCheckpointError) is skipped like a damaged file.
         path, _, _ = load_latest_good(directory, warn=log.warning,
                                       restore=lambda p, tensors, metadata: self._restore(tensors, metadata, str(p)))
+        note = resume_note(self.thread_runs, self.threads)
+        if note is not None:
+            log.info("%s: %s", path, note)
         return path
 
     def use_method(self, name: str) -> None:
@@ -345,6 +359,7 @@ class Learner:
         state = metadata_json(metadata, "state", source, self.engine.state_keys)
         check_same_schedule(state, self.lr_schedule, self.base_lrs, source)
         check_counters(state, source)
+        thread_runs = check_thread_runs(state, source)
         checked = self.engine.check_restore(self, tensors, state, source)
         before = (self.snapshot(), self.engine.restore_point(self), self.method_name, self.method_options,
                   self.method)
@@ -363,6 +378,7 @@ class Learner:
                 raise CorruptCheckpointError(f"{source}: its state does not fit this learner ({exc!r})") from exc
             raise
         self.steps_done, self.stream_position = state["steps_done"], state["stream_position"]
+        self.thread_runs = [list(run) for run in thread_runs]
         data = state.get("data")
         self.data_fingerprint = data if isinstance(data, dict) else None
         self._resumed_data = (self.data_fingerprint, source) if self.data_fingerprint is not None else None

@@ -16,9 +16,13 @@ Rounding: a core counts as taken when others used more than `BUSY_FRACTION` of i
 again after `GROW_AFTER` checks in a row asked for more, so a load that flickers does not make every other
 step pay for a thread pool resize.
 
-Bit-for-bit reproducibility needs a fixed thread count: some of torch's CPU reductions split their work by
-thread, so their rounding can differ between thread counts. A run that must resume to the same bits keeps
-`threads=None` (torch's own setting) or a number.
+Bit-for-bit reproducibility needs the same thread count per step: some of torch's CPU reductions split their
+work by thread, so their rounding can differ between thread counts (measured: none of a tiny-preset step's
+bits at seq 64 x batch 4 moved between 1 and 2 threads; at seq 256 x batch 8 every LoRA tensor did, by up to
+1.3e-6 after 4 steps). A learner's checkpoints record each step's count as runs (`add_step`), and a resumed
+learner whose steps did not all run on one count says so in one line (`resume_note`): its weights are those
+of any run that took each step on the same count, bit for bit. A run that must match any other run of the
+same command keeps `threads=None` (torch's own setting) or a number.
 """
 from __future__ import annotations
 
@@ -152,3 +156,42 @@ def threads_flag(text: str) -> int | str:
     if count < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number or 'auto', got {text!r}")
     return count
+
+
+# A learner's thread counts as runs, oldest first: [count, steps] with count None where the learner left
+# the threads to the framework (threads=None, or a backend that sizes its own pool).
+ThreadRuns = list[list]
+
+
+def add_step(runs: ThreadRuns, count: int | None) -> None:
+    """Count one step taken on `count` threads into `runs` (in place): a run-length record, so a checkpoint
+    of a long run stays a few numbers long."""
+    if runs and runs[-1][0] == count:
+        runs[-1][1] += 1
+    else:
+        runs.append([count, 1])
+
+
+def describe_runs(runs: ThreadRuns) -> str:
+    """'threads 2 x 25, then 1 x 15 steps', in the order the steps ran."""
+    parts = [f"{_count_text(count)} x {steps}" for count, steps in runs]
+    return "threads " + ", then ".join(parts) + " steps"
+
+
+def _count_text(count: int | None) -> str:
+    return "the framework's own" if count is None else str(count)
+
+
+def resume_note(runs: ThreadRuns, threads: "int | ThreadFitter | None") -> str | None:
+    """For a learner resumed with `runs` that goes on with `threads` (as thread_fitter returns it): one line
+    saying what its bits promise when its steps did not all run on one count, or a fixed count (or the
+    framework's own) goes on with another; None otherwise."""
+    counts = {count for count, _ in runs}
+    if isinstance(threads, int) or threads is None:
+        counts.add(threads)  # the count every coming step takes
+    if len(counts) <= 1:
+        return None
+    going_on = "auto" if isinstance(threads, ThreadFitter) else _count_text(threads)
+    return (f"its steps ran on {describe_runs(runs)}, and this run goes on with threads {going_on}: the weights "
+            "will be bit for bit those of a run that took each step on the same count, not necessarily those of a "
+            "run on one count (the thread count changes the rounding of torch's larger CPU reductions)")
