@@ -1,9 +1,10 @@
 """`edgetrain` command line: each subcommand module owns build_parser() and main(args)."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from edgetrain.cli.help_format import CliParser
 
 # subcommand -> module under edgetrain.cli (imported only when used: keeps --help fast)
 EXIT_CODES = """exit codes:
@@ -17,12 +18,18 @@ SUBCOMMANDS = {"profile": "profile", "train": "train", "generate": "generate", "
                "personalise": "personalise"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> CliParser:
+    """The `edgetrain` parser, every subcommand under it (docs/hooks/cli_reference.py renders it)."""
+    return _parser_and_commands()[0]
+
+
+def _parser_and_commands() -> tuple[CliParser, dict[str, CliParser]]:
+    """The `edgetrain` parser and each subcommand's, by name (every subcommand module is imported: not torch)."""
     from edgetrain import __version__
 
-    parser = argparse.ArgumentParser(prog="edgetrain", description="On-device training and profiling.",
-                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Every command's and sub-command's parser is a CliParser (subparsers take their parent's class): help keeps the
+    # docstrings' example lines as written.
+    parser = CliParser(prog="edgetrain", description="On-device training and profiling.", epilog=EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"edgetrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers = {}
@@ -34,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
                                       help="this command's flags as a TOML table (flags given here win)")
         subparsers[name].add_argument("-q", "--quiet", action="store_true",
                                       help="no progress bar or progress lines; warnings and errors only")
+    return parser, subparsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, subparsers = _parser_and_commands()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -46,10 +59,17 @@ def main(argv: list[str] | None = None) -> int:
 
             args = apply_config(parser, subparsers[args.command], argv,
                                 read_config(args.config, subparsers[args.command]))
+        from edgetrain.cli.root_logging import keep_other_loggers_to_warnings
         from edgetrain.utils.logs import configure_cli_logging
+        from edgetrain.utils.progress import stage_progress
 
         configure_cli_logging(quiet=args.quiet)
-        return importlib.import_module(f"edgetrain.cli.{SUBCOMMANDS[args.command]}").main(args)
+        keep_other_loggers_to_warnings()
+        command = importlib.import_module(f"edgetrain.cli.{SUBCOMMANDS[args.command]}")
+        # Never ten seconds without a line (unless --quiet): a heartbeat line whenever the command has said nothing
+        # for a while; the command names its stages (begin_stage) for those lines to say what it is doing.
+        with stage_progress(" ".join(filter(None, (args.command, getattr(args, "action", None)))), say_done=False):
+            return command.main(args)
     except EdgetrainError as exc:
         print(f"edgetrain {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     from edgetrain.data.tokenizer import model_tokenizer
     from edgetrain.registry import EdgetrainError
     from edgetrain.utils.logs import get_logger
-    from edgetrain.utils.progress import progress_bar
+    from edgetrain.utils.progress import begin_stage, progress_bar
 
     if args.max_batches is not None and args.max_batches < 1:
         raise EdgetrainError(f"--max-batches must be at least 1, got {args.max_batches}")
@@ -60,10 +60,12 @@ def main(args: argparse.Namespace) -> int:
     for path in find_text_files(args.data):  # missing or binary data is refused before the model loads
         check_text_file(path)
     model = load_model_and_adapter(args)
+    begin_stage("reading and tokenizing the data")
     stream = text_stream(args.seq, args.batch, paths=args.data, tokenizer=model_tokenizer(model),
                          vocab_size=model.config.vocab_size, epochs=1)
     total = min(stream.batches_per_epoch, args.max_batches or stream.batches_per_epoch)
     log = get_logger(__name__)
+    begin_stage(f"evaluating {total} batch(es)", say=False)  # the line below says it
     log.info("evaluating %d batch(es) of %d x %d tokens from %s (base %s)", total, args.batch, args.seq,
              stream.source, LoadOptions.from_args(args).describe())
     with progress_bar(total, description="eval", unit="batch", enabled=not args.quiet) as bar:

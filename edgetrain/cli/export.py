@@ -75,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
     from edgetrain.cli.export_stream import batch_stream
     from edgetrain.export import (RUNTIMES, default_part, export_training, load_trainer, make_trainable,
                                   torch_sgd_trajectory, write_batch_file)
+    from edgetrain.utils.progress import begin_stage
 
     if args.merge:
         from edgetrain.cli.export_merged import write_merged
@@ -92,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quantize_bits is not None:
         raise edgetrain.EdgetrainError("--quantize-bits is for --method mesp (the joint program holds fp32 weights)")
     torch.manual_seed(args.seed)
+    begin_stage(f"loading {args.model}")
     model = edgetrain.load_model(args.model)
     part = args.trainable or default_part(model)
     if args.adapter:
@@ -103,6 +105,7 @@ def main(args: argparse.Namespace) -> int:
     steps = max(args.check, args.batch_steps if args.batch_file else 0, 1)
     batches = list(itertools.islice(stream, steps))
     reference = copy.deepcopy(model) if args.check else None
+    begin_stage(f"exporting the {args.runtime} training program")
     path = export_training(model, batches[0], args.runtime, args.out)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"wrote {path} ({args.runtime}; {part} of {args.model}: {trainable:,} trainable weights; "
@@ -112,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
         write_batch_file(args.batch_file, batches[:args.batch_steps])
         print(f"wrote {args.batch_file} ({args.batch_steps} batches)")
     if args.check:
+        begin_stage(f"training {args.check} steps in {args.runtime} and in torch")
         trainer = load_trainer(args.runtime, path, args.lr, batches[0])
         losses = [trainer.step(batch) for batch in batches[:args.check]]
         ref_losses, ref_weights = torch_sgd_trajectory(reference, batches[:args.check], args.lr)

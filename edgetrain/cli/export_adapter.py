@@ -32,12 +32,15 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from edgetrain.adapters.convert import convert_adapter, detect_format
     from edgetrain.utils.logs import get_logger
+    from edgetrain.utils.progress import begin_stage
 
     base_config = None
     if args.model is not None:
         from edgetrain.models.decoder_config import decoder_config
 
+        begin_stage(f"reading the config of {args.model}")  # a pretrained name is fetched first, once
         base_config = decoder_config(args.model)
+    begin_stage(f"converting {args.adapter} to {args.format}")
     source_format = detect_format(args.adapter)
     written = convert_adapter(args.adapter, args.out, args.format, base_model=args.base_model or args.model,
                               base_config=base_config)

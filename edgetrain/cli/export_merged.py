@@ -25,13 +25,16 @@ def write_merged(args: argparse.Namespace) -> int:
     from edgetrain.export.merged import MergeError, save_merged_gguf, save_merged_hf
     from edgetrain.backends.load_options import LoadOptions
     from edgetrain.models import parse_dtype
+    from edgetrain.utils.progress import begin_stage
 
     if args.adapter is None:
         raise MergeError("--merge needs --adapter (the adapter to merge into --model)")
     to_gguf = str(args.out).lower().endswith(".gguf")
     base = _gguf_base(args.model) if to_gguf else args.model
     # Merged weights are dense: the base is read dequantised, whatever its file stores packed.
+    begin_stage(f"loading {args.model} dequantised, with {args.adapter}")
     model = edgetrain.load_model(base, adapter=args.adapter, options=LoadOptions(dequantize=True))
+    begin_stage(f"writing {args.out}")
     if to_gguf:
         written = save_merged_gguf(model, base, args.out, args.merge_dtype or "f16")
     else:

@@ -38,8 +38,10 @@ def write_executorch_program(args: argparse.Namespace, optimizer: AdamWSettings)
     from edgetrain.export import make_trainable, write_batch_file
     from edgetrain.export.mesp_program import MeSPProgramTrainer, export_mesp_program, mesp_reference
     from edgetrain.export.trainable import ExportError
+    from edgetrain.utils.progress import begin_stage
 
     torch.manual_seed(args.seed)
+    begin_stage(f"loading {args.model}")
     model = edgetrain.load_model(args.model, quantize_bits=args.quantize_bits)
     if getattr(model, "task", None) != "lm":
         raise ExportError(f"--method mesp is for decoders; {args.model} is a {getattr(model, 'task', '?')!r} model")
@@ -49,6 +51,7 @@ def write_executorch_program(args: argparse.Namespace, optimizer: AdamWSettings)
         load_adapter(model, args.adapter)
     make_trainable(model, "lora", rank=args.rank)
     reference = copy.deepcopy(model) if args.check else None
+    begin_stage("exporting MeSP's step")
     program, weights = export_mesp_program(model, args.batch, args.seq, args.out, delegate=args.delegate)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"wrote {program} and {weights} (mesp, {len(model.blocks)} blocks of {args.model}: {trainable:,} LoRA "
@@ -63,6 +66,7 @@ def write_executorch_program(args: argparse.Namespace, optimizer: AdamWSettings)
         write_batch_file(args.batch_file, batches[:args.batch_steps])
         print(f"wrote {args.batch_file} ({args.batch_steps} batches)")
     if args.check:
+        begin_stage(f"training {args.check} steps in ExecuTorch and in torch's mesp")
         trainer = MeSPProgramTrainer(program, weights, optimizer)
         losses = [trainer.step(batch) for batch in batches[:args.check]]
         ref_losses, ref_adapters = mesp_reference(reference, batches[:args.check], optimizer)
@@ -88,8 +92,10 @@ def write_mlx_functions(args: argparse.Namespace, optimizer: AdamWSettings) -> i
     from edgetrain.backends.mlx.lora import add_lora, trainable_parameters
     from edgetrain.cli.export_stream import batch_stream
     from edgetrain.export.mlx_program import MLXProgramTrainer, export_mlx_mesp
+    from edgetrain.utils.progress import begin_stage
 
     mx.random.seed(args.seed)
+    begin_stage(f"loading {args.model}")
     model = edgetrain.load_model(args.model, backend="mlx", quantize_bits=args.quantize_bits)
     if args.adapter:
         from edgetrain.adapters.convert import load_adapter
@@ -98,6 +104,7 @@ def write_mlx_functions(args: argparse.Namespace, optimizer: AdamWSettings) -> i
     else:
         add_lora(model, rank=args.rank)
     reference = copy.deepcopy(model) if args.check else None
+    begin_stage("exporting MeSP's step as MLX functions")
     directory = export_mlx_mesp(model, args.batch, args.seq, args.out)
     trainable = sum(array.size for array in trainable_parameters(model).values())
     print(f"wrote {directory} (mesp as MLX functions, {len(model.blocks)} blocks of {args.model}: {trainable:,} LoRA "
@@ -105,6 +112,7 @@ def write_mlx_functions(args: argparse.Namespace, optimizer: AdamWSettings) -> i
     if not args.check:
         return 0
     batches = list(itertools.islice(batch_stream(model, args), args.check))
+    begin_stage(f"training {args.check} steps in the MLX functions and in MLX's mesp")
     trainer = MLXProgramTrainer(directory, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
                                 weight_decay=optimizer.weight_decay)
     losses = [trainer.step(batch.inputs.numpy(), batch.targets.numpy()) for batch in batches]

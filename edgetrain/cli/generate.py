@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.cli.model_args import add_model_flags, load_model_and_adapter, text_functions
+from edgetrain.utils.progress import begin_stage, note_stage
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,7 +68,8 @@ def read_chat_template(value: str) -> str:
 
 def _reply_lines(text: Any, model: Any, chats: list[dict[str, Any]], args: argparse.Namespace,
                  template: str | None) -> None:
-    for chat in chats:
+    for number, chat in enumerate(chats, 1):
+        note_stage(f"conversation {number} of {len(chats)}")
         reply = text.generate(model, chat["messages"], args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, chat_template=template)
         answered = {**chat, "messages": [*chat["messages"], {"role": "assistant", "content": reply}]}
@@ -85,8 +87,10 @@ def main(args: argparse.Namespace) -> int:
     text = text_functions(args)  # the backend's own generation (torch or MLX, both with a key/value cache)
     model = load_model_and_adapter(args)
     if chats is not None:
+        begin_stage(f"answering {len(chats)} conversation(s), up to {args.max_tokens} tokens each")
         _reply_lines(text, model, chats, args, template)
         return 0
+    begin_stage(f"generating up to {args.max_tokens} tokens")
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     print(text.generate(model, prompt, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         seed=args.seed, chat_template=template))

@@ -37,8 +37,10 @@ def load_model_and_adapter(args: argparse.Namespace) -> Any:
     import edgetrain
     from edgetrain.backends import get_backend
     from edgetrain.registry import EdgetrainError
+    from edgetrain.utils.progress import begin_stage
 
     backend = get_backend(args.backend)
+    begin_stage(f"loading {args.model}")  # a pretrained name is fetched first, once: a 93 MB download
     model = edgetrain.load_model(args.model, backend=args.backend, options=LoadOptions.from_args(args))
     if getattr(model, "task", None) != "lm":
         raise EdgetrainError(f"--model {args.model}: a {type(model).__name__} is not a language model")

@@ -135,6 +135,13 @@ def learner_threads(setting: int | str) -> int | ThreadFitter:
     return ThreadFitter(max_threads=_torch_own_threads()) if setting == "auto" else setting
 
 
+def _note_step(learner, stats) -> None:
+    """Between fit's step lines (every 10 steps), a heartbeat line says which step is done."""
+    from edgetrain.utils.progress import note_stage
+
+    note_stage(f"step {stats.step} done, loss {stats.loss:.4f}")
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
@@ -154,11 +161,13 @@ def _train(args: argparse.Namespace) -> int:
     from edgetrain.backends import get_backend
     from edgetrain.data import make_stream
     from edgetrain.utils.logs import get_logger
+    from edgetrain.utils.progress import begin_stage
 
     torch.manual_seed(args.seed)
     backend = get_backend(args.backend)
     _check_outputs(args, backend)
     add_lora, save_adapter = backend.adapter_functions()
+    begin_stage(f"loading {args.model}")  # a pretrained name is fetched first, once: a 93 MB download
     model = edgetrain.load_model(args.model, backend=args.backend, options=LoadOptions.from_args(args))
     stream_options = {"batch_size": args.batch, "seed": args.seed}
     if getattr(model, "task", None) == "lm":
@@ -181,10 +190,11 @@ def _train(args: argparse.Namespace) -> int:
         if resumed is not None:
             get_logger(__name__).info("resumed from %s (step %d)", resumed, learner.steps_done)
     stream = make_stream(args.data, start_index=learner.stream_position, **stream_options)
+    begin_stage(f"training {args.method} to step {args.steps}")
     learner.fit(stream, max_steps=args.steps, checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
                 checkpoint_dir=args.checkpoint_dir, progress=not args.quiet,
                 allow_data_change=args.allow_data_change,
-                callbacks=[jsonl_step_logger(args.log_jsonl)] if args.log_jsonl else [])
+                callbacks=[_note_step, *([jsonl_step_logger(args.log_jsonl)] if args.log_jsonl else [])])
     if args.checkpoint_dir and learner.steps_done % max(args.checkpoint_every, 1):
         learner.save_rotating(args.checkpoint_dir)
     if args.save_adapter:

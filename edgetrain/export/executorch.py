@@ -27,12 +27,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from edgetrain.registry import Registry
 from edgetrain.training.checkpoint import atomic_write_bytes
+from edgetrain.utils.logs import get_logger
+from edgetrain.utils.progress import stage_progress
 from edgetrain.data.batch import Batch
 from edgetrain.export.trainable import (BatchSignature, ExportError, LossModule, require, strip_prefix,
                                         trainable_names)
 
 EXECUTORCH_VERSION = "1.5.1"
 METHOD = "forward"
+_log = get_logger(__name__)
 
 
 def _require_executorch() -> None:
@@ -316,15 +319,16 @@ def _xnnpack_operators() -> list:
 @dataclass(frozen=True)
 class Delegate:
     """How a program is lowered to one delegate: its partitioners, and the rewrites of the traced graphs that
-    let it take more (each returns how many nodes it changed)."""
+    let it take more (each returns how many nodes it changed); `target` names it on the progress lines."""
 
     partitioners: Callable[[], list]
     rewrites: tuple[Callable[[torch.fx.GraphModule], int], ...] = ()
+    target: str = "ExecuTorch's own kernels"
 
 
 # --delegate name -> how a program is lowered ("none": ExecuTorch's own CPU kernels).
 DELEGATES: Registry[Delegate] = Registry("ExecuTorch delegate")
-DELEGATES.add("xnnpack", Delegate(_xnnpack_operators, (_int8_conversions_as_dequantize,)))
+DELEGATES.add("xnnpack", Delegate(_xnnpack_operators, (_int8_conversions_as_dequantize,), "XNNPACK"))
 DELEGATES.add("none", Delegate(list))
 
 
@@ -348,35 +352,80 @@ def lower_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple
     """One ExecuTorch program whose methods are the forward graphs of `modules` (name -> module), each traced
     for its example inputs (edgetrain/export/mesp_program.py: the pieces of a MeSP step), what the delegate
     DELEGATES names takes lowered to it, in the order traced (_restore_traced_order). Inference graphs: no joint
-    forward-backward, so nothing here is experimental beyond the program format."""
+    forward-backward, so nothing here is experimental beyond the program format.
+
+    Minutes for a real model (about 7 for SmolLM2 to XNNPACK), so it reports as it goes (edgetrain.utils.progress.
+    stage_progress, INFO lines of this module's logger): which method it traces and lowers, and whenever 8 s pass
+    without a line the time so far and an estimate of the rest from the graph nodes lowered."""
     _require_executorch()
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from torch._export.verifier import SpecViolationError
 
     lowering = DELEGATES.get(delegate)
-    partitioners = {name: lowering.partitioners() for name in modules}
+    exported = _trace_methods(modules, example_inputs, delegate)
+    nodes = {name: _operator_count(program) for name, program in exported.items()}
+    try:
+        with warnings.catch_warnings(), torch.no_grad(), stage_progress(
+                f"lowering to {lowering.target}", sum(nodes.values()), unit="graph node", logger=_log) as progress:
+            warnings.simplefilter("ignore")
+            lowered = {}
+            for number, (name, program) in enumerate(exported.items(), 1):
+                progress.begin(f"{name} ({number} of {len(exported)})", nodes[name])
+                lowered[name] = _lower_method(name, program, lowering.partitioners())
+            progress.begin("writing the program")
+            program = _executorch_program(lowered)
+            _check_runtime_has_kernels(program)
+            return program.buffer
+    except SpecViolationError as exc:
+        raise ExportError(f"ExecuTorch cannot lower this program: {_first_line_naming_operator(str(exc))}") from exc
 
+
+def _trace_methods(modules: dict[str, nn.Module], example_inputs: dict[str, tuple],
+                   delegate: str) -> dict[str, "torch.export.ExportedProgram"]:
+    """trace_for_lowering for each module, a line as each begins (SmolLM2's block backward: tens of seconds)."""
     exported = {}
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), stage_progress("tracing for ExecuTorch", logger=_log) as progress:
         warnings.simplefilter("ignore")
-        for name, module in modules.items():
+        for number, (name, module) in enumerate(modules.items(), 1):
+            progress.begin(f"{name} ({number} of {len(modules)})")
             try:
                 exported[name] = trace_for_lowering(module, example_inputs[name], delegate)
             except Exception as exc:  # torch.export raises many types; all mean "cannot trace"
                 raise ExportError(f"torch.export could not trace the {name} program: {type(exc).__name__}: "
                                   f"{exc}") from exc
-        try:
-            # linear is not Core ATen, but the runtime's optimized kernels have it (see above).
-            config = EdgeCompileConfig(_core_aten_ops_exception_list=[torch.ops.aten.linear.default],
-                                       preserve_ops=[torch.ops.aten.linear.default])
-            edge = to_edge_transform_and_lower(exported, partitioner=partitioners, compile_config=config)
-            for name in modules:
-                _restore_traced_order(edge.exported_program(name).graph_module)
-            program = edge.to_executorch()
-        except SpecViolationError as exc:
-            raise ExportError(f"ExecuTorch cannot lower this program: {_first_line_naming_operator(str(exc))}") from exc
-    _check_runtime_has_kernels(program)
-    return program.buffer
+    return exported
+
+
+def _operator_count(program: "torch.export.ExportedProgram") -> int:
+    """The graph nodes that lowering works on (operator calls): what the progress estimate counts."""
+    return sum(node.op == "call_function" for node in program.graph.nodes)
+
+
+def _lower_method(name: str, exported: "torch.export.ExportedProgram",
+                  partitioners: list) -> "torch.export.ExportedProgram":
+    """One method in edge dialect, what `partitioners` take lowered to their delegate, in its traced order.
+    to_edge_transform_and_lower decomposes and partitions each method of a program on its own; called for one
+    method at a time it gives the same graphs, and progress can say which method the minutes go to."""
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    # linear is not Core ATen, but the runtime's optimized kernels have it (see above).
+    config = EdgeCompileConfig(_core_aten_ops_exception_list=[torch.ops.aten.linear.default],
+                               preserve_ops=[torch.ops.aten.linear.default])
+    edge = to_edge_transform_and_lower({name: exported}, partitioner={name: partitioners}, compile_config=config)
+    program = edge.exported_program(name)
+    _restore_traced_order(program.graph_module)
+    return program
+
+
+def _executorch_program(lowered: dict[str, "torch.export.ExportedProgram"]):
+    """The ExecuTorch program of methods lowered one by one (_lower_method), in the order given, emitted together
+    as to_edge_transform_and_lower's own manager emits them: the bytes one call for every method writes (a test
+    compares them)."""
+    from executorch.exir import EdgeCompileConfig
+    from executorch.exir.program import EdgeProgramManager
+
+    # Each method was checked in its own lowering; its delegate calls are no edge-dialect operators, which is why
+    # ExecuTorch's to_backend builds its manager without the check too.
+    return EdgeProgramManager(lowered, compile_config=EdgeCompileConfig(_check_ir_validity=False)).to_executorch()
 
 
 def load_program(data: bytes, where: str | Path, methods: tuple[str, ...]) -> object:
