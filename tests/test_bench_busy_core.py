@@ -45,6 +45,7 @@ def test_one_round_runs_every_arm_and_leaves_no_spinner():
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the benchmark keeps one of at least 2 cores busy")
 def test_the_cli_mode_times_train_processes_and_the_default_fits_its_threads():
+    before = _spinners()
     done = subprocess.run([sys.executable, "tools/bench_busy_core.py", "--cli", "--steps", "3", "--repeats", "1",
                            "--warmup", "0", "--seq", "16", "--batch", "2"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)

@@ -28,7 +28,8 @@ Gradients equal autograd through the dequantised weights (tests/models/test_quan
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -37,7 +38,8 @@ from torch import nn
 from edgetrain.registry import EdgetrainError
 
 GROUP_SIZE = 32
-SUPPORTED_BITS = (4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)  # what a packed matrix holds (GGUF's formats)
+QUANTIZE_BITS = (4, 8)  # what fill_from_dense makes (quantise-on-load)
 STORAGE_DTYPE = torch.float16
 # Computing layers dequantise a tile of rows of at most this many entries at a time (1 MiB of float32:
 # a Qwen2.5-0.5B MLP matrix in 17 tiles, no slower than whole), into a scratch buffer kept per thread,
@@ -75,27 +77,86 @@ def _under_functorch() -> bool:
     return peek is not None and peek() is not None
 
 
+@dataclass(frozen=True)
+class MatrixLayout:
+    """How a PackedMatrix's integers become weights, in groups of `group_size` columns of a row:
+
+        zero point   w = (c - zero_point) * scale        (a symmetric format: no biases stored)
+        codebook     w = codebook[c] * scale             (IQ4_NL, IQ4_XS: a non-uniform grid)
+        otherwise    w = c * scale + bias                (or - bias: subtracts_bias, the k-quants' minimum)
+
+    With `steps`, a group's scale (and bias) is one stored float16 per `block_values` columns times the
+    group's own small integer (the k-quants' sub-block scales); without, one stored value per group.
+    Codes of `bits` bits are a low plane of 2, 4 or 8 bits a value and, for 3, 5 and 6 bits, a high plane
+    (edgetrain.models.gguf.packed_rows has the layout)."""
+    bits: int
+    group_size: int = GROUP_SIZE
+    zero_point: int | None = None
+    block_values: int | None = None  # columns per stored scale when `steps`; else group_size
+    steps: bool = False
+    subtracts_bias: bool = False
+    codebook: tuple[int, ...] | None = None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.zero_point is None and self.codebook is None
+
+    @property
+    def planes(self) -> tuple[int, int]:
+        """(low plane bits, high plane bits; 0 when none)."""
+        low = {2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 8: 8}[self.bits]
+        return low, self.bits - low
+
+    @property
+    def scale_columns(self) -> int:
+        """Columns that share one stored scale."""
+        return self.block_values if self.steps else self.group_size
+
+    def check(self, cols: int) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise EdgetrainError(f"quantised weights take {', '.join(map(str, SUPPORTED_BITS))} bits, not {self.bits!r}")
+        low_bits, high_bits = self.planes
+        per_byte = 8 // min(low_bits, high_bits or 8)  # a plane's columns per byte: rows fill whole bytes
+        if (self.group_size <= 0 or cols % self.group_size or cols % per_byte
+                or (self.steps and (not self.block_values or self.block_values % self.group_size
+                                    or cols % self.block_values))):
+            raise EdgetrainError(f"a layer of {cols} inputs cannot be cut into groups of {self.group_size}")
+        _check_zero_point(self.zero_point, self.bits)
+        if self.codebook is not None and len(self.codebook) != 2 ** self.bits:
+            raise EdgetrainError(f"a {self.bits}-bit codebook holds {2 ** self.bits} levels, not {len(self.codebook)}")
+
+
 class PackedMatrix(nn.Module):
-    """A frozen [rows, cols] matrix held packed (see the module docstring). Its tensors are buffers:
-    nothing here trains."""
+    """A frozen [rows, cols] matrix held packed (see the module docstring and MatrixLayout). Its tensors
+    are buffers: nothing here trains."""
 
     def __init__(self, rows: int, cols: int, bits: int, group_size: int = GROUP_SIZE, device: Any = None,
                  dtype: torch.dtype = torch.float32, storage_dtype: torch.dtype = STORAGE_DTYPE,
-                 zero_point: int | None = None) -> None:
+                 zero_point: int | None = None, layout: MatrixLayout | None = None) -> None:
         super().__init__()
-        if bits not in SUPPORTED_BITS:
-            raise EdgetrainError(f"quantised weights take {' or '.join(map(str, SUPPORTED_BITS))} bits, not {bits!r}")
-        if group_size <= 0 or cols % group_size or (bits == 4 and group_size % 2):
-            raise EdgetrainError(f"a layer of {cols} inputs cannot be cut into groups of {group_size}")
+        layout = layout or MatrixLayout(bits, group_size, zero_point)
+        if layout.bits != bits or layout.group_size != group_size:
+            raise EdgetrainError(f"layout of {layout.bits} bits in groups of {layout.group_size} given for a "
+                                 f"{bits}-bit matrix in groups of {group_size}")
+        layout.check(cols)
         self.rows, self.cols, self.bits, self.group_size = rows, cols, bits, group_size
-        groups = cols // group_size
-        self.register_buffer("codes", torch.zeros(rows, cols * bits // 8, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.zeros(rows, groups, dtype=storage_dtype, device=device))
-        # A symmetric format (GGUF Q4_0, Q8_0) has w = scale * (q - zero_point): its bias is -zero_point *
-        # scale in every group, so it is computed, not stored (an eighth of Q8_0's bytes).
-        self.zero_point = _check_zero_point(zero_point, bits)
-        biases = None if zero_point is not None else torch.zeros(rows, groups, dtype=storage_dtype, device=device)
-        self.register_buffer("biases", biases)
+        self.layout = layout
+        groups, stored = cols // group_size, cols // layout.scale_columns
+        low_bits, high_bits = layout.planes
+        self.register_buffer("codes", torch.zeros(rows, cols * low_bits // 8, dtype=torch.uint8, device=device))
+        self.register_buffer("high_codes", torch.zeros(rows, cols * high_bits // 8, dtype=torch.uint8, device=device)
+                             if high_bits else None)
+        self.register_buffer("scales", torch.zeros(rows, stored, dtype=storage_dtype, device=device))
+        self.register_buffer("scale_steps", torch.zeros(rows, groups, dtype=torch.int8, device=device)
+                             if layout.steps else None)
+        # A symmetric format (GGUF Q4_0, Q8_0, Q6_K) has w = scale * (q - zero_point): its bias is
+        # -zero_point * scale in every group, so it is computed, not stored (an eighth of Q8_0's bytes).
+        self.register_buffer("biases", torch.zeros(rows, stored, dtype=storage_dtype, device=device)
+                             if layout.has_bias else None)
+        self.register_buffer("bias_steps", torch.zeros(rows, groups, dtype=torch.uint8, device=device)
+                             if layout.has_bias and layout.steps else None)
+        self.register_buffer("codebook", None if layout.codebook is None else
+                             torch.tensor(layout.codebook, dtype=torch.float32, device=device))
         # Empty: it carries the dtype the layer computes in through .to() / .double() like any float tensor.
         self.register_buffer("_dtype_marker", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
@@ -105,13 +166,18 @@ class PackedMatrix(nn.Module):
         return self._dtype_marker.dtype
 
     @property
+    def zero_point(self) -> int | None:
+        return self.layout.zero_point
+
+    @property
     def device(self) -> torch.device:
         return self.codes.device
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "PackedMatrix":
         # A model-wide dtype cast must not round the stored scales (float16 -> bfloat16 loses bits): keep
         # their dtype, follow only the device. The marker takes the new dtype.
-        stored = {name: getattr(self, name) for name in ("scales", "biases") if getattr(self, name) is not None}
+        stored = {name: getattr(self, name) for name in ("scales", "biases", "codebook")
+                  if getattr(self, name) is not None}
         super()._apply(fn, recurse)
         for name, original in stored.items():
             applied = getattr(self, name)
@@ -123,35 +189,72 @@ class PackedMatrix(nn.Module):
         wanted = self.dtype if dtype is None else dtype
         return torch.float64 if torch.float64 in (wanted, self.scales.dtype) else torch.float32
 
-    def _dequantize_packed(self, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-                           dtype: torch.dtype | None, scratch: bool = False) -> torch.Tensor:
+    def _dequantize_packed(self, parts: "_Rows", dtype: torch.dtype | None, scratch: bool = False) -> torch.Tensor:
         """Dense rows from packed ones: one buffer (a scratch one when asked), filled with the integers and
         scaled in place."""
         work = self._work_dtype(dtype)
         wanted = self.dtype if dtype is None else dtype
+        codes = parts.codes
         rows, device = codes.shape[0], codes.device
         scratch = scratch and not _under_functorch()
         if scratch and wanted == work:
             dense = _scratch("dense", rows * self.cols, work, device).view(rows, self.cols)
         else:
             dense = torch.empty(rows, self.cols, dtype=work, device=device)
-        if self.bits == 4:  # byte i holds columns 2i (low nibble) and 2i + 1 (high nibble)
+        layout = self.layout
+        if layout.bits == 4 and layout.codebook is None:  # byte i holds columns 2i (low nibble) and 2i + 1 (high)
             pairs = dense.view(rows, self.cols // 2, 2)
             nibbles = (_scratch("nibbles", codes.numel(), torch.uint8, device).view(codes.shape) if scratch
                        else torch.empty_like(codes))
             pairs[..., 0].copy_(torch.bitwise_and(codes, 0x0F, out=nibbles))
             pairs[..., 1].copy_(torch.bitwise_right_shift(codes, 4, out=nibbles))
-        else:
+        elif layout.bits == 8:
             dense.copy_(codes)
-        grouped = dense.view(rows, -1, self.group_size)
-        # Mixed dtypes in place: the scales convert inside the kernel (exactly), no launch of their own.
-        if biases is None:
-            # Exactly scale * q + (-zero_point * scale): q - zero_point is a small integer, and a float16
-            # scale times it is exact in float32, as each of the two terms was.
-            grouped.sub_(self.zero_point).mul_(scales.unsqueeze(-1))
         else:
-            grouped.mul_(scales.unsqueeze(-1)).add_(biases.unsqueeze(-1))
+            integers = self._unpack_codes(parts, scratch)
+            if layout.codebook is not None:
+                levels = parts.codebook.to(work)
+                torch.index_select(levels, 0, integers.view(-1).to(torch.int32), out=dense.view(-1))
+            else:
+                dense.copy_(integers)
+        grouped = dense.view(rows, -1, self.group_size)
+        scales = self._group_values(parts.scales, parts.scale_steps, work)
+        # Mixed dtypes in place: float16 scales convert inside the kernel (exactly), no launch of their own.
+        if not layout.has_bias:
+            # Exactly (q - zero_point) * scale: q - zero_point is a small integer, and a float16 scale (or
+            # an f16 times an integer step) times it rounds once, as ggml's product does.
+            if layout.zero_point is not None:
+                grouped.sub_(layout.zero_point)
+            grouped.mul_(scales.unsqueeze(-1))
+        else:
+            biases = self._group_values(parts.biases, parts.bias_steps, work)
+            if layout.subtracts_bias:
+                grouped.mul_(scales.unsqueeze(-1)).sub_(biases.unsqueeze(-1))
+            else:
+                grouped.mul_(scales.unsqueeze(-1)).add_(biases.unsqueeze(-1))
         return dense if wanted == work else dense.to(wanted)
+
+    def _group_values(self, stored: torch.Tensor, steps: torch.Tensor | None, work: torch.dtype) -> torch.Tensor:
+        """One scale (or bias) a group: the stored values, or, with steps, each block's stored value times its
+        groups' integer steps (exact: an f16 times an integer of at most 8 bits)."""
+        if steps is None:
+            return stored
+        per_block = self.layout.block_values // self.group_size
+        return stored.to(work).repeat_interleave(per_block, dim=1).mul_(steps)
+
+    def _unpack_codes(self, parts: "_Rows", scratch: bool) -> torch.Tensor:
+        """uint8 [rows, cols]: each column's code, from the low plane and the high plane above it."""
+        rows, device = parts.codes.shape[0], parts.codes.device
+        low_bits, high_bits = self.layout.planes
+        integers = (_scratch("codes", rows * self.cols, torch.uint8, device) if scratch
+                    else torch.empty(rows * self.cols, dtype=torch.uint8, device=device)).view(rows, self.cols)
+        _unpack_plane(parts.codes, low_bits, integers)
+        if high_bits:
+            high = (_scratch("high", rows * self.cols, torch.uint8, device) if scratch
+                    else torch.empty(rows * self.cols, dtype=torch.uint8, device=device)).view(rows, self.cols)
+            _unpack_plane(parts.high_codes, high_bits, high)
+            integers.bitwise_or_(high.bitwise_left_shift_(low_bits))
+        return integers
 
     def scratch_tiles(self, dtype: torch.dtype | None = None, device: Any = None,
                       rows_per_tile: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -170,18 +273,19 @@ class PackedMatrix(nn.Module):
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None,
                         device: Any = None, scratch: bool = False) -> torch.Tensor:
         """Dense rows [start, stop); in this thread's scratch buffer with `scratch` (see scratch_tiles)."""
-        codes, scales, biases = (t if t is None or device is None else t.to(device)
-                                 for t in self._packed_rows(slice(start, stop)))
-        return self._dequantize_packed(codes, scales, biases, dtype, scratch)
+        parts = self._packed_rows(slice(start, stop))
+        return self._dequantize_packed(parts if device is None else parts.to(device), dtype, scratch)
 
-    def _packed_rows(self, index: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Codes, scales and biases (None for a symmetric format) of the rows `index` selects."""
-        return self.codes[index], self.scales[index], None if self.biases is None else self.biases[index]
+    def _packed_rows(self, index: slice | torch.Tensor) -> "_Rows":
+        """The packed tensors of the rows `index` selects (None where the layout has none)."""
+        return _Rows(*(None if t is None else t[index] for t in
+                       (self.codes, self.high_codes, self.scales, self.scale_steps, self.biases, self.bias_steps)),
+                     self.codebook)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense rows `indices` (any shape of integers): [*indices.shape, cols]."""
         flat = indices.reshape(-1)
-        dense = self._dequantize_packed(*self._packed_rows(flat), dtype)
+        dense = self._dequantize_packed(self._packed_rows(flat), dtype)
         return dense.view(*indices.shape, self.cols)
 
     @property
@@ -190,7 +294,8 @@ class PackedMatrix(nn.Module):
         return self.dequantize()
 
     def packed_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.biases) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.high_codes, self.scales, self.scale_steps,
+                                                          self.biases, self.bias_steps) if t is not None)
 
     def fill_from_dense(self, weight: torch.Tensor) -> None:
         """Quantise a dense [rows, cols] weight into this matrix per group: bias = the group's minimum,
@@ -202,6 +307,8 @@ class PackedMatrix(nn.Module):
                                  "packed matrix")
         if not torch.isfinite(weight).all():
             raise EdgetrainError("cannot quantise a weight that holds NaN or infinite values")
+        if self.bits not in QUANTIZE_BITS:
+            raise EdgetrainError(f"quantised weights take {' or '.join(map(str, QUANTIZE_BITS))} bits, not {self.bits!r}")
         levels = 2 ** self.bits - 1
         work = weight.detach().to(torch.float32).reshape(self.rows, -1, self.group_size)
         low = work.amin(dim=-1)
@@ -214,32 +321,27 @@ class PackedMatrix(nn.Module):
         q = torch.round((work - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, levels).to(torch.uint8)
         q = q.reshape(self.rows, self.cols)
         self.codes = (q[:, 0::2] | (q[:, 1::2] << 4) if self.bits == 4 else q).contiguous()
-        self.scales, self.biases, self.zero_point = scale.to(storage), low.to(storage), None
+        self.scales, self.biases = scale.to(storage), low.to(storage)
+        self.high_codes = self.scale_steps = self.bias_steps = self.codebook = None
+        self.layout = MatrixLayout(self.bits, self.group_size)
 
-    def fill_from_packed(self, packed: Any) -> None:
-        """From an edgetrain.models.gguf.packed.PackedWeight (GGUF blocks, moved, not requantised; its
-        float16 scales and biases stay exact)."""
-        codes = np.ascontiguousarray(packed.weight).view(np.uint8)  # little-endian words -> their bytes
-        if codes.shape != tuple(self.codes.shape) or packed.bits != self.bits:
-            raise EdgetrainError(f"packed weight of {codes.shape} bytes, {packed.bits} bits does not fit a "
+    def fill_from_rows(self, packed: Any) -> None:
+        """From an edgetrain.models.gguf.packed_rows.PackedRows of this matrix's layout (GGUF blocks, moved,
+        not requantised: the file's f16 scales and integer steps as they are)."""
+        if tuple(packed.codes.shape) != tuple(self.codes.shape) or layout_of(packed.format) != self.layout:
+            raise EdgetrainError(f"packed {packed.format.name} rows of {packed.codes.shape} code bytes do not fit a "
                                  f"{tuple(self.codes.shape)}, {self.bits}-bit matrix")
-        scales = np.asarray(packed.scales, dtype=np.float32)
-        biases = np.asarray(packed.biases, dtype=np.float32)
-        zero_point = symmetric_zero_point(scales, biases, self.bits)
-        kept = (scales,) if zero_point is not None else (scales, biases)
-        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in kept)
-        storage = STORAGE_DTYPE if exact else torch.float32
-        self.codes = torch.from_numpy(codes)  # shares the packed words' buffer: no second copy
-        self.scales = torch.from_numpy(scales).to(storage)
-        self.biases = None if zero_point is not None else torch.from_numpy(biases).to(storage)
-        self.zero_point = zero_point
+        for name in ("codes", "high_codes", "scales", "scale_steps", "biases", "bias_steps"):
+            array = getattr(packed, name)
+            setattr(self, name, None if array is None else torch.from_numpy(array))  # shares: no second copy
 
 
-def symmetric_zero_point(scales: np.ndarray, biases: np.ndarray, bits: int) -> int | None:
-    """2**(bits - 1) when every group's bias is exactly -2**(bits - 1) * its scale (GGUF's Q4_0 and Q8_0 as
-    edgetrain.models.gguf.packed lays them out), else None."""
-    zero_point = 2 ** (bits - 1)
-    return zero_point if np.array_equal(biases, np.float32(-zero_point) * scales) else None
+def layout_of(block_format: Any) -> MatrixLayout:
+    """The MatrixLayout that holds a ggml block format (edgetrain.models.gguf.blocks.BlockFormat) as it is."""
+    steps = block_format.block_values != block_format.group_size
+    return MatrixLayout(block_format.bits, block_format.group_size, block_format.zero_point,
+                        block_format.block_values if steps else None, steps, block_format.subtracts_bias,
+                        None if block_format.codebook is None else tuple(int(v) for v in block_format.codebook))
 
 
 def _check_zero_point(zero_point: int | None, bits: int) -> int | None:
@@ -247,6 +349,34 @@ def _check_zero_point(zero_point: int | None, bits: int) -> int | None:
                                    or not 0 <= zero_point < 2 ** bits):
         raise EdgetrainError(f"a {bits}-bit zero point must be an integer in [0, {2 ** bits}), not {zero_point!r}")
     return zero_point
+
+
+class _Rows(NamedTuple):
+    """Some rows of a PackedMatrix's tensors (None where its layout has none) and its codebook."""
+    codes: torch.Tensor
+    high_codes: torch.Tensor | None
+    scales: torch.Tensor
+    scale_steps: torch.Tensor | None
+    biases: torch.Tensor | None
+    bias_steps: torch.Tensor | None
+    codebook: torch.Tensor | None
+
+    def to(self, device: Any) -> "_Rows":
+        return _Rows(*(None if t is None else t.to(device) for t in self))
+
+
+def _unpack_plane(plane: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """[rows, cols * bits / 8] bytes -> out uint8 [rows, cols]: column (8 / bits) i + t is in bits
+    [bits t, bits (t + 1)) of byte i."""
+    if bits == 8:
+        out.copy_(plane)
+        return
+    per_byte = 8 // bits
+    slots = out.view(out.shape[0], -1, per_byte)
+    mask = (1 << bits) - 1
+    for t in range(per_byte):
+        shifted = plane if t == 0 else torch.bitwise_right_shift(plane, bits * t)
+        torch.bitwise_and(shifted, mask, out=slots[..., t])
 
 
 class QuantizedMatmul(torch.autograd.Function):
@@ -288,8 +418,9 @@ class QuantizedLinear(PackedMatrix):
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int = GROUP_SIZE,
                  bias: bool = False, device: Any = None, dtype: torch.dtype = torch.float32,
-                 storage_dtype: torch.dtype = STORAGE_DTYPE, zero_point: int | None = None) -> None:
-        super().__init__(out_features, in_features, bits, group_size, device, dtype, storage_dtype, zero_point)
+                 storage_dtype: torch.dtype = STORAGE_DTYPE, zero_point: int | None = None,
+                 layout: MatrixLayout | None = None) -> None:
+        super().__init__(out_features, in_features, bits, group_size, device, dtype, storage_dtype, zero_point, layout)
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
@@ -302,14 +433,15 @@ class QuantizedLinear(PackedMatrix):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @classmethod
-    def from_packed(cls, packed: Any, bias: torch.Tensor | None = None,
-                    dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
-        """From an edgetrain.models.gguf.packed.PackedWeight (GGUF blocks, moved, not requantised)."""
-        rows, words = packed.weight.shape
+    def from_rows(cls, packed: Any, bias: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
+        """From an edgetrain.models.gguf.packed_rows.PackedRows (GGUF blocks, moved, not requantised)."""
+        rows, cols = packed.shape
+        layout = layout_of(packed.format)
         # Built on the meta device: its zero buffers would be a full-size allocation for nothing.
-        layer = cls(words * 32 // packed.bits, rows, packed.bits, packed.group_size, bias is not None, device="meta",
-                    dtype=dtype)
-        layer.fill_from_packed(packed)
+        layer = cls(cols, rows, layout.bits, layout.group_size, bias is not None, device="meta", dtype=dtype,
+                    layout=layout)
+        layer.fill_from_rows(packed)
         layer._dtype_marker = torch.empty(0, dtype=dtype)
         if bias is not None:
             layer.bias = bias.detach().to(dtype).clone()
@@ -334,8 +466,10 @@ class QuantizedEmbedding(PackedMatrix):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bits: int, group_size: int = GROUP_SIZE,
                  device: Any = None, dtype: torch.dtype = torch.float32,
-                 storage_dtype: torch.dtype = STORAGE_DTYPE, zero_point: int | None = None) -> None:
-        super().__init__(num_embeddings, embedding_dim, bits, group_size, device, dtype, storage_dtype, zero_point)
+                 storage_dtype: torch.dtype = STORAGE_DTYPE, zero_point: int | None = None,
+                 layout: MatrixLayout | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, bits, group_size, device, dtype, storage_dtype, zero_point,
+                         layout)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
     def extra_repr(self) -> str:
@@ -350,10 +484,12 @@ class QuantizedEmbedding(PackedMatrix):
         return self.dequantize_gathered(token_ids)
 
     @classmethod
-    def from_packed(cls, packed: Any, dtype: torch.dtype = torch.float32) -> "QuantizedEmbedding":
-        rows, words = packed.weight.shape
-        table = cls(rows, words * 32 // packed.bits, packed.bits, packed.group_size, device="meta", dtype=dtype)
-        table.fill_from_packed(packed)
+    def from_rows(cls, packed: Any, dtype: torch.dtype = torch.float32) -> "QuantizedEmbedding":
+        """From an edgetrain.models.gguf.packed_rows.PackedRows (GGUF blocks, moved, not requantised)."""
+        rows, cols = packed.shape
+        layout = layout_of(packed.format)
+        table = cls(rows, cols, layout.bits, layout.group_size, device="meta", dtype=dtype, layout=layout)
+        table.fill_from_rows(packed)
         table._dtype_marker = torch.empty(0, dtype=dtype)
         return table
 

@@ -221,15 +221,15 @@ def test_load_model_routes_gguf_to_mlx_with_its_tokenizer(mixed_file):
 
 
 def test_a_type_it_cannot_read_is_named(tmp_path):
-    def q5(writer):
+    def q8_1(writer):  # llama.cpp's activation type: never a weight edgetrain reads
         name = "blk.0.ffn_up.weight"
-        shape = tuple(writer.tensors[0].pop(name).shape)
-        writer.add_tensor(name, gguf.quants.quantize(np.zeros(shape, np.float32), Q.Q5_0), raw_dtype=Q.Q5_0)
+        rows, cols = tuple(writer.tensors[0].pop(name).shape)
+        writer.add_tensor(name, np.zeros((rows, cols // 32 * 40), np.uint8), raw_dtype=Q.Q8_1)
 
-    path = write_gguf(tmp_path / "q5.gguf", hf_model(), Q.Q4_1, tweak=q5)
+    path = write_gguf(tmp_path / "q8_1.gguf", hf_model(), Q.Q4_1, tweak=q8_1)
     for backend in ("torch", "mlx"):
-        with pytest.raises(GGUFError, match=r"'blk\.0\.ffn_up\.weight' is stored as Q5_0.*supported: F32, F16, BF16, "
-                                            r"Q8_0, Q4_0, Q4_1"):
+        with pytest.raises(GGUFError, match=r"'blk\.0\.ffn_up\.weight' is stored as Q8_1.*supported: F32, F16, BF16, "
+                                            r"Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
             edgetrain.load_model(path, backend=backend)
 
 

@@ -326,13 +326,14 @@ def test_tensor_offset_past_the_end_and_unknown_type(tmp_path, llama_file):
 
 
 def test_type_it_cannot_dequantise_is_named(tmp_path):
-    def q5(writer):
+    def q8_1(writer):  # llama.cpp's intermediate type for activations: never a weight edgetrain reads
         name = "blk.0.ffn_up.weight"
-        shape = tuple(writer.tensors[0].pop(name).shape)
-        writer.add_tensor(name, gguf.quants.quantize(np.zeros(shape, np.float32), Q.Q5_0), raw_dtype=Q.Q5_0)
+        rows, cols = tuple(writer.tensors[0].pop(name).shape)
+        writer.add_tensor(name, np.zeros((rows, cols // 32 * 40), np.uint8), raw_dtype=Q.Q8_1)
 
-    path = write_gguf(tmp_path / "q5.gguf", hf_model(), tweak=q5)
-    _refused(path, "'blk.0.ffn_up.weight'", "Q5_0", "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1")
+    path = write_gguf(tmp_path / "q8_1.gguf", hf_model(), tweak=q8_1)
+    _refused(path, "'blk.0.ffn_up.weight'", "Q8_1", "supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+             "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS")
 
 
 @pytest.mark.parametrize("key", ["general.architecture", "llama.block_count", "llama.embedding_length",

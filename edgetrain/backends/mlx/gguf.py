@@ -1,12 +1,16 @@
-"""llama.cpp GGUF files -> MLXDecoder, with 4- and 8-bit weights kept quantised.
+"""llama.cpp GGUF files -> MLXDecoder, with the block formats MLX can hold kept quantised.
 
 The torch loader's reader, metadata checks, tensor plan, Q/K row order and tokenizer
 (edgetrain.models.gguf.loader), so both refuse the same files with the same GGUFError; what differs is
 what a tensor becomes:
 
   block projections (attn_q/k/v/output, ffn_gate/up/down)
-      Q4_0, Q4_1       QuantizedLinear, 4 bits, group 32: the file's integers and scales, not requantised
+      Q4_0, Q4_1, Q4_K QuantizedLinear, 4 bits, group 32: the file's integers and scales, not requantised
+      Q5_0, Q5_1, Q5_K QuantizedLinear, 5 bits, group 32
       Q8_0             QuantizedLinear, 8 bits, group 32 (edgetrain/models/gguf/packed.py has the mapping)
+      Q2_K, Q3_K, Q6_K, IQ4_NL, IQ4_XS
+                       nn.Linear in the requested dtype, dequantised (logged: MLX groups are 32 values or
+                       more, and affine; these have groups of 16 or a non-uniform grid)
       F32, F16, BF16   nn.Linear in the requested dtype
   token embedding, LM head (output.weight)
       any type         dense in the requested dtype: dequantised when stored quantised (logged). The
@@ -15,7 +19,8 @@ what a tensor becomes:
   norms, biases        dense in the requested dtype
 
 Scales and biases are held in the requested dtype: exact in float32 (mx.dequantize then equals the
-torch loader's dequantised weights), the f16 scales exact in float16, rounded to 8 bits in bfloat16.
+torch loader's dequantised weights), the 32-value formats' f16 scales exact in float16 (a k-quant's scale
+times its sub-block step is not), rounded to 8 bits in bfloat16.
 """
 from __future__ import annotations
 
@@ -65,7 +70,7 @@ def _install_quantized(model: MLXDecoder, block: int, path: str, packed: PackedW
 
 def load_gguf_mlx(path: str | Path, dtype: str | mx.Dtype = "float32",
                   compute_mode: ComputeMode | None = None, *, packed: bool = True) -> MLXDecoder:
-    """A llama / qwen2 MLXDecoder from a GGUF file: Q4_0 / Q4_1 / Q8_0 block projections stay quantised
+    """A llama / qwen2 MLXDecoder from a GGUF file: block projections in a format MLX holds stay quantised
     (see the module docstring), everything else is dense in `dtype`; `packed=False` holds every weight
     dense in `dtype` (edgetrain.backends.load_options: --dequantize). The file's byte-level BPE
     vocabulary, when it has one, becomes `model.tokenizer`, as with the torch loader."""

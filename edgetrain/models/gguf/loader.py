@@ -135,7 +135,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     """A llama / qwen2 decoder from a GGUF file, weights dequantised to `dtype` on `device`. The file's
     byte-level BPE vocabulary, when it has one, becomes `model.tokenizer` (read with model_tokenizer).
 
-    `quantized=True` keeps every matrix stored as Q4_0, Q4_1 or Q8_0 packed (edgetrain.models.quantized:
+    `quantized=True` keeps every matrix stored in a ggml block format packed (edgetrain.models.quantized:
     the file's integers and scales, not requantised): block projections as QuantizedLinear, the token
     embedding as QuantizedEmbedding and the LM head as a QuantizedLinear, or, tied, a TiedQuantizedHead
     over the embedding. Norms and matrices stored in other types are dense."""
@@ -165,10 +165,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         model.head.lm_head = TiedQuantizedHead(model.embed.embed_tokens)
     if dequantised:
         # One line per load: the memory figures of a "packed" model hold these densely.
-        log.info("%s: %d tensor(s) of types edgetrain keeps packed only as Q4_0 / Q4_1 / Q8_0 were dequantised "
-                 "to %s: %s", gguf.path, len(dequantised), str(dtype).removeprefix("torch."),
+        log.info("%s: %d tensor(s) that edgetrain keeps packed only as block projections, the embedding or the "
+                 "LM head were dequantised to %s: %s", gguf.path, len(dequantised), str(dtype).removeprefix("torch."),
                  ", ".join(dequantised[:8]) + (", ..." if len(dequantised) > 8 else ""))
-    packed_tensors = [name for name in tensors if name.endswith((".scales", ".biases"))]
+    packed_tensors = [name for name in tensors if name.endswith((".scales", ".biases", ".codebook"))]
     load_weights(model, tensors, str(gguf.path), dtype, as_stored=packed_tensors)
     _realise_dtype_markers(model, dtype)
     attach_gguf_tokenizer(model, tokenizer)
@@ -177,7 +177,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
 
 def load_packed_gguf(path: str | Path, dtype: str | torch.dtype = torch.float32,
                      device: torch.device | str = "cpu") -> LlamaModel:
-    """load_gguf(..., quantized=True): matrices stored as Q4_0, Q4_1 or Q8_0 kept packed (the default of
+    """load_gguf(..., quantized=True): matrices stored in ggml block formats kept packed (the default of
     edgetrain.load_model for a GGUF)."""
     from edgetrain.models import parse_dtype
 
@@ -193,15 +193,16 @@ def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target:
     """Put a packed shell (meta device) where a packable matrix is -- a block projection, the token
     embedding or an untied LM head -- and its packed tensors into `tensors` for load_weights; False when
     the tensor is not one (it is read dense)."""
-    from edgetrain.models.gguf.packed import PACKABLE_TYPES, all_finite, pack_blocks
+    from edgetrain.models.gguf.blocks import BLOCK_FORMATS
+    from edgetrain.models.gguf.packed_rows import split_rows
     from edgetrain.models.quantized import QuantizedEmbedding, QuantizedLinear
 
     match = _PROJECTION.fullmatch(target)
-    if (match is None and target not in (_EMBEDDING, _HEAD)) or info.ggml_type not in PACKABLE_TYPES:
+    if (match is None and target not in (_EMBEDDING, _HEAD)) or info.ggml_type not in BLOCK_FORMATS:
         return False
-    packed = pack_blocks(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+    packed = split_rows(gguf.tensor_bytes(info), info.ggml_type, info.shape)
     gguf.release(info)  # repacked into new arrays: the file's pages need not stay resident
-    if not all_finite(packed):
+    if not packed.all_finite():
         raise GGUFError(f"{gguf.path}: tensor {info.name!r} holds NaN or infinite values")
     order = rope_row_order(config, gguf_name, info.shape[0])
     if order is not None:
@@ -212,20 +213,20 @@ def _install_packed(model: LlamaModel, gguf: GGUFFile, info: TensorInfo, target:
     dense = getattr(parent, attribute)
     compute = dtype if dtype.is_floating_point else torch.float32
     if target == _EMBEDDING:
-        layer = QuantizedEmbedding.from_packed(packed, dtype=compute)
+        layer = QuantizedEmbedding.from_rows(packed, dtype=compute)
         with meta_without_init():
             shell = QuantizedEmbedding(layer.num_embeddings, layer.embedding_dim, layer.bits, layer.group_size,
-                                       dtype=compute, storage_dtype=layer.scales.dtype, zero_point=layer.zero_point)
+                                       dtype=compute, storage_dtype=layer.scales.dtype, layout=layer.layout)
     else:
-        layer = QuantizedLinear.from_packed(packed, dtype=compute)
+        layer = QuantizedLinear.from_rows(packed, dtype=compute)
         with meta_without_init():
             shell = QuantizedLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size,
                                     bias=dense.bias is not None, dtype=compute, storage_dtype=layer.scales.dtype,
-                                    zero_point=layer.zero_point)
+                                    layout=layer.layout)
     setattr(parent, attribute, shell)
-    for name in ("codes", "scales", "biases"):
-        if getattr(layer, name) is not None:  # a symmetric format has no biases (quantized.PackedMatrix)
-            tensors[f"{module_path}.{name}"] = getattr(layer, name)
+    for name, tensor in layer.named_buffers(recurse=False):
+        if name not in ("_dtype_marker", "bias"):  # a layout without biases or steps has none (PackedMatrix)
+            tensors[f"{module_path}.{name}"] = tensor
     return True
 
 
