@@ -334,6 +334,8 @@ class PackedMatrix(nn.Module):
         for name in ("codes", "high_codes", "scales", "scale_steps", "biases", "bias_steps"):
             array = getattr(packed, name)
             setattr(self, name, None if array is None else torch.from_numpy(array))  # shares: no second copy
+        if self.layout.codebook is not None:  # a shell built on the meta device holds an empty one
+            self.codebook = torch.tensor(self.layout.codebook, dtype=torch.float32)
 
 
 def layout_of(block_format: Any) -> MatrixLayout:

@@ -13,24 +13,7 @@ from edgetrain.models.gguf.ggml_types import GGML_TYPES
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
 
-# Byte offsets of each format's f16 fields within a block (ggml-common.h).
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
-EXTREME_F16 = np.array([65504.0, -65504.0, 2.0 ** -24, -(2.0 ** -24), 0.0, -0.0, 1.0, -3.140625, 6.1e-5, 1e-3],
-                       dtype=np.float16)
-
-
-def random_blocks(type_name: str, blocks: int, seed: int = 0) -> np.ndarray:
-    """uint8 [blocks, block_bytes]: random bytes, with every f16 field finite and extreme values among them."""
-    fmt = next(f for f in BLOCK_FORMATS.values() if f.name == type_name)
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(blocks, fmt.block_bytes), dtype=np.uint8)
-    for offset in F16_FIELDS[type_name]:
-        ordinary = rng.standard_normal(blocks).astype(np.float16) * np.float16(0.05)
-        chosen = np.where(rng.random(blocks) < 0.3, EXTREME_F16[rng.integers(0, len(EXTREME_F16), blocks)], ordinary)
-        raw[:, offset:offset + 2] = chosen.astype("<f2").view(np.uint8).reshape(blocks, 2)
-    return raw
-
+from gguf_blocks_testkit import F16_FIELDS, random_blocks  # noqa: E402
 
 @pytest.mark.parametrize("type_id", sorted(BLOCK_FORMATS), ids=lambda t: BLOCK_FORMATS[t].name)
 def test_every_format_dequantises_bit_for_bit_as_gguf_py(type_id):
