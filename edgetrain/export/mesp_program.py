@@ -26,6 +26,7 @@ import json
 import math
 import warnings
 import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ from edgetrain.models.lora import LORA_TARGETS, LoRALinear, lora_layers
 from edgetrain.models.quantized import PackedMatrix, TiedQuantizedHead
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.schedules import check_learning_rate
+from edgetrain.utils.logs import get_logger
+
+log = get_logger(__name__)
 
 # 2: 4-bit codes in the int8 row_halves layout; 3: 8-bit codes signed (mesp_graph.MatrixFormat)
 FORMAT_VERSION = 3
@@ -72,11 +76,26 @@ def weights_path_for(program: str | Path) -> Path:
     return Path(program).with_suffix(".weights")
 
 
+def program_reads(module: PackedMatrix) -> bool:
+    """Whether a block program dequantises this packed matrix itself (GraphPackedMatrix): 4- and 8-bit codes
+    with one scale (and bias) a group, GGUF's Q4_0, Q4_1 and Q8_0. Others go in dense (_converted_to_dense)."""
+    layout = module.layout
+    return layout.bits in (4, 8) and not layout.steps and layout.codebook is None
+
+
+def _converted_to_dense(model: nn.Module) -> dict[str, str]:
+    """name -> its format, of each packed matrix the program holds dense (said once at export)."""
+    return {name: module.layout.format_name or f"{module.bits}-bit" for name, module in model.named_modules()
+            if isinstance(module, PackedMatrix) and not program_reads(module)}
+
+
 def _matrix(module: nn.Module | PackedMatrix | torch.Tensor) -> tuple[MatrixFormat, list[torch.Tensor]]:
     if isinstance(module, torch.Tensor):
         return MatrixFormat(*module.shape), [module.detach().to(torch.float32)]
     if isinstance(module, TiedQuantizedHead):
         module = module.table
+    if isinstance(module, PackedMatrix) and not program_reads(module):
+        return _dense(module)
     if isinstance(module, PackedMatrix):
         # Codes go in as int8 (MatrixFormat): 8-bit ones signed, 4-bit ones in the row_halves layout whenever
         # the rows split evenly.
@@ -208,6 +227,15 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
     model_config = model.config
     if seq_len > model_config.max_position_embeddings:
         raise ExportError(f"seq {seq_len} exceeds the model's {model_config.max_position_embeddings} positions")
+    converted = _converted_to_dense(model)
+    if converted:
+        dense_bytes = sum(4 * m.rows * m.cols for m in model.modules()
+                          if isinstance(m, PackedMatrix) and not program_reads(m))
+        counts = Counter(converted.values())
+        log.warning("export --method mesp: %d packed matrices (%s) go into the program as dense float32 (%.1f MiB): "
+                    "its block programs dequantise Q4_0, Q4_1 and Q8_0 tiles themselves, not yet these formats (%s)",
+                    len(converted), ", ".join(f"{name} x {n}" for name, n in sorted(counts.items())),
+                    dense_bytes / 2 ** 20, ", ".join(list(converted)[:4]) + (", ..." if len(converted) > 4 else ""))
     layout, frozen = _block_layout(model, config)
     embedding = model.embed.embed_tokens
     embed_format, embed_tensors = _matrix(embedding)

@@ -28,7 +28,7 @@ Gradients equal autograd through the dequantised weights (tests/models/test_quan
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -96,6 +96,7 @@ class MatrixLayout:
     steps: bool = False
     subtracts_bias: bool = False
     codebook: tuple[int, ...] | None = None
+    format_name: str | None = field(default=None, compare=False)  # the GGUF type it came from, for messages
 
     @property
     def has_bias(self) -> bool:
@@ -343,7 +344,8 @@ def layout_of(block_format: Any) -> MatrixLayout:
     steps = block_format.block_values != block_format.group_size
     return MatrixLayout(block_format.bits, block_format.group_size, block_format.zero_point,
                         block_format.block_values if steps else None, steps, block_format.subtracts_bias,
-                        None if block_format.codebook is None else tuple(int(v) for v in block_format.codebook))
+                        None if block_format.codebook is None else tuple(int(v) for v in block_format.codebook),
+                        block_format.name)
 
 
 def _check_zero_point(zero_point: int | None, bits: int) -> int | None:

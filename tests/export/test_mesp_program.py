@@ -325,3 +325,24 @@ def test_lowering_keeps_the_traced_order_so_tiles_are_not_all_alive_at_once():
     tile_bytes = 256 * 128 * 4
     # Within two tiles of ExecuTorch's own kernels' plan, where twelve hoisted tiles would be eleven more.
     assert plan_bytes("xnnpack") <= plan_bytes("none") + 2 * tile_bytes
+
+
+def test_a_k_quant_base_goes_in_dense_with_a_message_and_trains_as_torch_mesp(tmp_path, caplog):
+    """Block formats the block programs do not dequantise themselves (here llama.cpp's Q3_K_M mix: Q3_K, Q4_K,
+    Q5_K, Q6_K) are converted to dense float32 at export, said once with what and why; the step is then
+    torch mesp's on the packed model."""
+    import logging
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "gguf" / "tiny-Q3_K_M.gguf"
+    torch.manual_seed(0)
+    model = make_trainable(edgetrain.load_model(fixture), "lora", rank=4)
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="edgetrain.export.mesp_program"):
+        program, weights = export_mesp_program(model, BATCH, SEQ, tmp_path / "kquant.pte", delegate="none")
+    said = [r.getMessage() for r in caplog.records if "dense float32" in r.getMessage()]
+    assert len(said) == 1 and "9 packed matrices (Q3_K x 5, Q4_K x 2, Q5_K x 1, Q6_K x 1)" in said[0], said
+    assert WeightsFile(weights).tensor("blocks.0.q.weight").dtype == torch.float32
+    loss_error, adapter_error, _, _ = _parity(program, weights, reference, 2)
+    assert loss_error <= TOLERANCE
+    assert adapter_error <= TOLERANCE
