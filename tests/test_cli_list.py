@@ -97,3 +97,22 @@ def test_help_documents_the_exit_codes_the_cli_uses(tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text("steps = 'many'\n")
     assert main(["train", "--config", str(config)]) == 2  # refused, as documented
+
+
+def test_list_gguf_says_what_each_path_holds_of_every_type(capsys):
+    from edgetrain.export.mesp_program import program_reads
+    from edgetrain.models.gguf.blocks import BLOCK_FORMATS
+    from edgetrain.models.gguf.dequant import DEQUANTIZERS
+    from edgetrain.models.gguf.ggml_types import GGML_TYPES
+    from edgetrain.models.gguf.packed import PACKABLE_TYPES
+    from edgetrain.models.quantized import layout_of
+
+    rows = _listing(capsys, "gguf")
+    for type_id, fmt in BLOCK_FORMATS.items():
+        torch_how, mlx_how, native_how = (part.split(": ", 1)[1] for part in rows[fmt.name].split(" | "))
+        assert torch_how.startswith("packed")
+        assert mlx_how.startswith("packed" if type_id in PACKABLE_TYPES else "dequantised")
+        assert native_how.startswith("packed" if program_reads(layout_of(fmt)) else "dense float32")
+    assert rows["Q4_K"].startswith("torch: packed") and "mlx: packed (4-bit" in rows["Q4_K"]
+    refused = {GGML_TYPES[t][0] for t in GGML_TYPES if t not in DEQUANTIZERS}
+    assert rows["others"] == f"every path: refused by name at load ({', '.join(sorted(refused))})"

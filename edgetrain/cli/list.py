@@ -76,9 +76,18 @@ def _formats() -> list[tuple[str, str]]:
     return rows
 
 
+def _gguf() -> list[tuple[str, str]]:
+    """Each GGUF tensor type edgetrain reads, and what each path holds it as (docs/gguf.md has the memory)."""
+    from edgetrain.models.gguf.support import gguf_type_support
+
+    return [(name, " | ".join(f"{path}: {how}" for path, how in paths.items()))
+            for name, paths in gguf_type_support().items()]
+
+
 # what -> the rows it lists
 LISTINGS: dict[str, Callable[[], list[tuple[str, str]]]] = {
-    "methods": _methods, "models": _models, "targets": _targets, "probes": _probes, "formats": _formats}
+    "methods": _methods, "models": _models, "targets": _targets, "probes": _probes, "formats": _formats,
+    "gguf": _gguf}
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:

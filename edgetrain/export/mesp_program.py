@@ -47,7 +47,7 @@ from edgetrain.methods.mesp.block import PROJECTIONS, BlockWeights, rope_tables
 from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK
 from edgetrain.methods.mesp.method import check_decoder
 from edgetrain.models.lora import LORA_TARGETS, LoRALinear, lora_layers
-from edgetrain.models.quantized import PackedMatrix, TiedQuantizedHead
+from edgetrain.models.quantized import MatrixLayout, PackedMatrix, TiedQuantizedHead
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.schedules import check_learning_rate
 from edgetrain.utils.logs import get_logger
@@ -76,17 +76,17 @@ def weights_path_for(program: str | Path) -> Path:
     return Path(program).with_suffix(".weights")
 
 
-def program_reads(module: PackedMatrix) -> bool:
-    """Whether a block program dequantises this packed matrix itself (GraphPackedMatrix): 4- and 8-bit codes
-    with one scale (and bias) a group, GGUF's Q4_0, Q4_1 and Q8_0. Others go in dense (_converted_to_dense)."""
-    layout = module.layout
+def program_reads(layout: MatrixLayout) -> bool:
+    """Whether a block program dequantises a packed matrix of this layout itself (GraphPackedMatrix): 4- and
+    8-bit codes with one scale (and bias) a group, GGUF's Q4_0, Q4_1 and Q8_0. Others go in dense
+    (_converted_to_dense)."""
     return layout.bits in (4, 8) and not layout.steps and layout.codebook is None
 
 
 def _converted_to_dense(model: nn.Module) -> dict[str, str]:
     """name -> its format, of each packed matrix the program holds dense (said once at export)."""
     return {name: module.layout.format_name or f"{module.bits}-bit" for name, module in model.named_modules()
-            if isinstance(module, PackedMatrix) and not program_reads(module)}
+            if isinstance(module, PackedMatrix) and not program_reads(module.layout)}
 
 
 def _matrix(module: nn.Module | PackedMatrix | torch.Tensor) -> tuple[MatrixFormat, list[torch.Tensor]]:
@@ -94,7 +94,7 @@ def _matrix(module: nn.Module | PackedMatrix | torch.Tensor) -> tuple[MatrixForm
         return MatrixFormat(*module.shape), [module.detach().to(torch.float32)]
     if isinstance(module, TiedQuantizedHead):
         module = module.table
-    if isinstance(module, PackedMatrix) and not program_reads(module):
+    if isinstance(module, PackedMatrix) and not program_reads(module.layout):
         return _dense(module)
     if isinstance(module, PackedMatrix):
         # Codes go in as int8 (MatrixFormat): 8-bit ones signed, 4-bit ones in the row_halves layout whenever
@@ -230,7 +230,7 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
     converted = _converted_to_dense(model)
     if converted:
         dense_bytes = sum(4 * m.rows * m.cols for m in model.modules()
-                          if isinstance(m, PackedMatrix) and not program_reads(m))
+                          if isinstance(m, PackedMatrix) and not program_reads(m.layout))
         counts = Counter(converted.values())
         log.warning("export --method mesp: %d packed matrices (%s) go into the program as dense float32 (%.1f MiB): "
                     "its block programs dequantise Q4_0, Q4_1 and Q8_0 tiles themselves, not yet these formats (%s)",

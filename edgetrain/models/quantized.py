@@ -203,28 +203,36 @@ class PackedMatrix(nn.Module):
         else:
             dense = torch.empty(rows, self.cols, dtype=work, device=device)
         layout = self.layout
-        if layout.bits == 4 and layout.codebook is None:  # byte i holds columns 2i (low nibble) and 2i + 1 (high)
-            pairs = dense.view(rows, self.cols // 2, 2)
-            nibbles = (_scratch("nibbles", codes.numel(), torch.uint8, device).view(codes.shape) if scratch
-                       else torch.empty_like(codes))
-            pairs[..., 0].copy_(torch.bitwise_and(codes, 0x0F, out=nibbles))
-            pairs[..., 1].copy_(torch.bitwise_right_shift(codes, 4, out=nibbles))
-        elif layout.bits == 8:
-            dense.copy_(codes)
-        else:
+        low_bits, high_bits = layout.planes
+        # Codes a plane at a time, straight into the floats: the high plane's contributions, with the zero
+        # point folded in (small integers: exact), come from a 256-entry table (_plane_table), one gather.
+        shifted = layout.zero_point is not None and high_bits > 0
+        if layout.codebook is not None:
             integers = self._unpack_codes(parts, scratch)
-            if layout.codebook is not None:
-                levels = parts.codebook.to(work)
-                torch.index_select(levels, 0, integers.view(-1).to(torch.int32), out=dense.view(-1))
+            torch.index_select(parts.codebook.to(work), 0, integers.view(-1).to(torch.int32), out=dense.view(-1))
+        else:
+            if low_bits == 4:  # byte i holds columns 2i (low nibble) and 2i + 1 (high nibble)
+                pairs = dense.view(rows, self.cols // 2, 2)
+                nibbles = (_scratch("nibbles", codes.numel(), torch.uint8, device).view(codes.shape) if scratch
+                           else torch.empty_like(codes))
+                pairs[..., 0].copy_(torch.bitwise_and(codes, 0x0F, out=nibbles))
+                pairs[..., 1].copy_(torch.bitwise_right_shift(codes, 4, out=nibbles))
+            elif low_bits == 8:
+                dense.copy_(codes)
             else:
-                dense.copy_(integers)
+                _gather_plane(codes, low_bits, 0, 0, dense, scratch)
+            if high_bits:
+                high = (_scratch("high", rows * self.cols, work, device) if scratch
+                        else torch.empty(rows, self.cols, dtype=work, device=device)).view(rows, self.cols)
+                _gather_plane(parts.high_codes, high_bits, low_bits, -(layout.zero_point or 0), high, scratch)
+                dense.add_(high)
         grouped = dense.view(rows, -1, self.group_size)
         scales = self._group_values(parts.scales, parts.scale_steps, work)
         # Mixed dtypes in place: float16 scales convert inside the kernel (exactly), no launch of their own.
         if not layout.has_bias:
             # Exactly (q - zero_point) * scale: q - zero_point is a small integer, and a float16 scale (or
             # an f16 times an integer step) times it rounds once, as ggml's product does.
-            if layout.zero_point is not None:
+            if layout.zero_point is not None and not shifted:
                 grouped.sub_(layout.zero_point)
             grouped.mul_(scales.unsqueeze(-1))
         else:
@@ -381,6 +389,30 @@ def _unpack_plane(plane: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     for t in range(per_byte):
         shifted = plane if t == 0 else torch.bitwise_right_shift(plane, bits * t)
         torch.bitwise_and(shifted, mask, out=slots[..., t])
+
+
+_PLANE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _plane_table(bits: int, shift: int, offset: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8 / bits]: for each byte of a `bits`-bit plane, its values shifted left by `shift`, plus `offset`."""
+    key = (bits, shift, offset, dtype, device)
+    table = _PLANE_TABLES.get(key)
+    if table is None:
+        per_byte, mask = 8 // bits, (1 << bits) - 1
+        values = [[((byte >> (bits * t)) & mask) * (1 << shift) + offset for t in range(per_byte)] for byte in range(256)]
+        table = _PLANE_TABLES[key] = torch.tensor(values, dtype=dtype, device=device)
+    return table
+
+
+def _gather_plane(plane: torch.Tensor, bits: int, shift: int, offset: int, out: torch.Tensor, scratch: bool) -> None:
+    """out [rows, cols] = each column's value in a `bits`-bit plane, shifted left by `shift`, plus `offset`:
+    one gather from _plane_table (a row of it a byte), where shifting and masking would be 8 / bits passes."""
+    index = plane.reshape(-1)
+    index = (_scratch("plane_index", index.numel(), torch.int32, plane.device) if scratch and not _under_functorch()
+             else torch.empty(index.numel(), dtype=torch.int32, device=plane.device)).copy_(index)
+    table = _plane_table(bits, shift, offset, out.dtype, out.device)
+    torch.index_select(table, 0, index, out=out.view(-1, table.shape[1]))
 
 
 class QuantizedMatmul(torch.autograd.Function):

@@ -1,0 +1,40 @@
+"""What each path does with each GGUF tensor type, from the block table (blocks.py) and each path's own
+rule: `edgetrain list gguf`, docs/gguf.md and the loaders' refusals agree because they all read these."""
+from __future__ import annotations
+
+from edgetrain.models.gguf.blocks import BLOCK_FORMATS
+from edgetrain.models.gguf.ggml_types import GGML_TYPES
+
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+PATHS = ("torch", "mlx", "native program")
+
+
+def _mlx(type_id: int) -> str:
+    from edgetrain.models.gguf.packed import PACKABLE_TYPES
+
+    fmt = BLOCK_FORMATS[type_id]
+    if type_id in PACKABLE_TYPES:
+        return f"packed ({fmt.bits}-bit groups of 32)"
+    why = "a non-uniform grid" if fmt.codebook is not None else f"groups of {fmt.group_size}"
+    return f"dequantised ({why}; logged at load)"
+
+
+def _native(type_id: int) -> str:
+    from edgetrain.export.mesp_program import program_reads
+    from edgetrain.models.quantized import layout_of
+
+    if program_reads(layout_of(BLOCK_FORMATS[type_id])):
+        return "packed (dequantised a tile at a time inside the block programs)"
+    return "dense float32 (converted at export, said once)"
+
+
+def gguf_type_support() -> dict[str, dict[str, str]]:
+    """type name -> path -> how that path holds a tensor of it; then one row for every other ggml type."""
+    rows: dict[str, dict[str, str]] = {name: {path: "dense" for path in PATHS} for name in FLOAT_TYPES.values()}
+    for type_id, fmt in BLOCK_FORMATS.items():
+        rows[fmt.name] = {"torch": f"packed ({fmt.bits}-bit codes, groups of {fmt.group_size})",
+                          "mlx": _mlx(type_id), "native program": _native(type_id)}
+    others = sorted(name for type_id, (name, _, _) in GGML_TYPES.items()
+                    if type_id not in BLOCK_FORMATS and type_id not in FLOAT_TYPES)
+    rows["others"] = {"every path": f"refused by name at load ({', '.join(others)})"}
+    return rows
