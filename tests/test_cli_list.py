@@ -113,6 +113,6 @@ def test_list_gguf_says_what_each_path_holds_of_every_type(capsys):
         assert torch_how.startswith("packed")
         assert mlx_how.startswith("packed" if type_id in PACKABLE_TYPES else "dequantised")
         assert native_how.startswith("packed" if program_reads(layout_of(fmt)) else "dense float32")
-    assert rows["Q4_K"].startswith("torch: packed") and "mlx: packed (4-bit" in rows["Q4_K"]
+    assert rows["Q4_K"].startswith("torch: packed") and "MLX: packed (4-bit" in rows["Q4_K"]
     refused = {GGML_TYPES[t][0] for t in GGML_TYPES if t not in DEQUANTIZERS}
     assert rows["others"] == f"every path: refused by name at load ({', '.join(sorted(refused))})"

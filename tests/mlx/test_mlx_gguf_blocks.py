@@ -91,3 +91,20 @@ def test_mesp_gives_bp_gradients_on_a_kept_k_quant_base(file_type):
     assert set(grads) == set(reference) and len(grads) == 7 * 2
     assert abs(float(loss) - float(reference_loss)) <= 1e-5 * abs(float(reference_loss))
     assert max(float(mx.max(mx.abs(grads[k] - reference[k])) / mx.max(mx.abs(reference[k]))) for k in reference) <= 1e-5
+
+
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_1", "Q3_K_M"])
+def test_a_non_finite_scale_in_a_kept_or_dequantised_format_is_refused_on_mlx(file_type, tmp_path):
+    from edgetrain.models.gguf.reader import GGUFError, read_gguf
+
+    source = FIXTURES / MANIFEST["files"][file_type]["file"]
+    for info in read_gguf(source).tensors.values():
+        if info.name.startswith("blk.") and info.type_name != "F32":
+            break
+    damaged = tmp_path / "damaged.gguf"
+    raw = bytearray(source.read_bytes())
+    at = info.offset + {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}.get(info.type_name, 0)  # the block's d
+    raw[at:at + 2] = np.array([np.inf], dtype="<f2").tobytes()
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(GGUFError, match=rf"{info.name!r} holds NaN or infinite values"):
+        load_gguf_mlx(damaged)

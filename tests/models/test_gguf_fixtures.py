@@ -22,6 +22,7 @@ from edgetrain.models.gguf.loader import load_gguf
 from edgetrain.models.gguf.reader import read_gguf
 from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import PackedMatrix
+from gguf_blocks_testkit import assert_follows_llama_cpp
 from quantized_testkit import dense_twin
 
 gguf = pytest.importorskip("gguf")
@@ -40,12 +41,6 @@ def fixture(file_type: str) -> Path:
 def _logits(model) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([TOKENS]))[0].double().numpy()
-
-
-def assert_follows_llama_cpp(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:
-    correlation = float(np.corrcoef(ours.ravel(), theirs.ravel())[0, 1])
-    agreement = float((ours.argmax(-1) == theirs.argmax(-1)).mean())
-    assert correlation >= 0.999 and agreement >= 0.95, (what, correlation, agreement)
 
 
 def test_the_fixtures_hold_every_block_format_edgetrain_reads():
@@ -130,3 +125,28 @@ def test_k_quant_tiles_give_the_whole_products_gradient_and_rows(monkeypatch):
         torch.testing.assert_close(tiled_grad, whole_grad, rtol=1e-12, atol=1e-12)
         rows = torch.tensor([[5, 0], [layer.rows - 1, 5]])
         torch.testing.assert_close(layer.dequantize_gathered(rows), layer.dequantize()[rows], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("file_type", ["Q2_K", "Q3_K_M", "Q5_1", "IQ4_XS"])
+def test_a_non_finite_scale_in_any_block_format_is_refused_naming_the_tensor(file_type, tmp_path):
+    """A NaN in one f16 field of one block (each type of the file in turn): every loader refuses the file
+    with a GGUFError naming the tensor, packed or dequantised."""
+    from edgetrain.models.gguf.reader import GGUFError
+    from gguf_blocks_testkit import F16_FIELDS
+
+    source = fixture(file_type)
+    file = read_gguf(source)
+    firsts = {}
+    for info in file.tensors.values():
+        if info.type_name in F16_FIELDS:
+            firsts.setdefault(info.type_name, info)
+    assert firsts
+    for type_name, info in firsts.items():
+        for field in F16_FIELDS[type_name]:
+            damaged = tmp_path / f"{type_name}-{field}.gguf"
+            raw = bytearray(source.read_bytes())
+            raw[info.offset + field:info.offset + field + 2] = np.array([np.nan], dtype="<f2").tobytes()
+            damaged.write_bytes(bytes(raw))
+            for quantized in (True, False):
+                with pytest.raises(GGUFError, match=rf"{info.name!r} holds NaN or infinite values"):
+                    load_gguf(damaged, quantized=quantized)

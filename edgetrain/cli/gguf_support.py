@@ -1,12 +1,15 @@
-"""What each path does with each GGUF tensor type, from the block table (blocks.py) and each path's own
-rule: `edgetrain list gguf`, docs/gguf.md and the loaders' refusals agree because they all read these."""
+"""What each path does with each GGUF tensor type, from the block table (edgetrain.models.gguf.blocks) and
+each path's own rule: `edgetrain list gguf`, docs/gguf.md and the loaders' refusals agree because they all
+read these."""
 from __future__ import annotations
 
 from edgetrain.models.gguf.blocks import BLOCK_FORMATS
 from edgetrain.models.gguf.ggml_types import GGML_TYPES
 
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
-PATHS = ("torch", "mlx", "native program")
+# The paths by what a user runs (labels, not backend names: each path's rule is its own function below).
+ON_TORCH, ON_MLX, NATIVE = "torch", "MLX", "native program"
+PATHS = (ON_TORCH, ON_MLX, NATIVE)
 
 
 def _mlx(type_id: int) -> str:
@@ -32,8 +35,8 @@ def gguf_type_support() -> dict[str, dict[str, str]]:
     """type name -> path -> how that path holds a tensor of it; then one row for every other ggml type."""
     rows: dict[str, dict[str, str]] = {name: {path: "dense" for path in PATHS} for name in FLOAT_TYPES.values()}
     for type_id, fmt in BLOCK_FORMATS.items():
-        rows[fmt.name] = {"torch": f"packed ({fmt.bits}-bit codes, groups of {fmt.group_size})",
-                          "mlx": _mlx(type_id), "native program": _native(type_id)}
+        rows[fmt.name] = dict(zip(PATHS, (f"packed ({fmt.bits}-bit codes, groups of {fmt.group_size})",
+                                          _mlx(type_id), _native(type_id))))
     others = sorted(name for type_id, (name, _, _) in GGML_TYPES.items()
                     if type_id not in BLOCK_FORMATS and type_id not in FLOAT_TYPES)
     rows["others"] = {"every path": f"refused by name at load ({', '.join(others)})"}
