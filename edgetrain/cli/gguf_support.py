@@ -26,9 +26,11 @@ def _native(type_id: int) -> str:
     from edgetrain.export.mesp_program import program_reads
     from edgetrain.models.quantized import layout_of
 
-    if program_reads(layout_of(BLOCK_FORMATS[type_id])):
-        return "packed (dequantised a tile at a time inside the block programs)"
-    return "dense float32 (converted at export, said once)"
+    fmt = BLOCK_FORMATS[type_id]
+    if not program_reads(layout_of(fmt)):
+        return "dense float32 (converted at export, said once)"
+    codes = "as stored" if fmt.bits in (4, 8) else "a code a byte"
+    return f"packed ({codes}; dequantised a tile at a time in the block programs)"
 
 
 def gguf_type_support() -> dict[str, dict[str, str]]:

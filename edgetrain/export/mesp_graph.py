@@ -50,8 +50,15 @@ class MatrixFormat:
       portable kernels, about 1 ns a byte (a sixth of a block forward's time).
     - 4 bits, odd rows: uint8 as loaded (byte i of a row holds columns 2i and 2i + 1), unpacked by a
       per-element concatenation; rare (every GGUF matrix has even rows), and slow.
-    All of it is exact (small integers; a power of two), so the numbers are edgetrain.models.quantized's, bit
-    for bit."""
+    - 2, 3, 5 or 6 bits (`wide`: Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K): int8 [rows, cols], a code a byte, less
+      the zero point of a symmetric format: the file's bit planes would cost float operations per plane in
+      the graph, a byte a code costs one conversion.
+    With `block_values` (the k-quants), a group's scale is the block's stored scale (f16, one per
+    `block_values` columns) times the group's integer step (`scale_steps`, int8), and likewise its bias
+    (`bias_steps`; `subtracts_bias`: w = scale q - bias, ggml's minimum), as edgetrain.models.quantized
+    computes them.
+    All of it is exact (small integers; a power of two; an f16 times an integer of at most 8 bits), so the
+    numbers are edgetrain.models.quantized's, bit for bit."""
 
     rows: int
     cols: int
@@ -60,6 +67,9 @@ class MatrixFormat:
     zero_point: int | None = None
     row_halves: bool = False
     signed: bool = False
+    wide: bool = False
+    block_values: int = 0  # > 0: stored scales (and biases) a block of this many columns, times group steps
+    subtracts_bias: bool = False
 
     @property
     def packed(self) -> bool:
@@ -70,11 +80,16 @@ class MatrixFormat:
         """The names of its input tensors."""
         if not self.packed:
             return ("weight",)
-        return ("codes", "scales") if self.zero_point is not None else ("codes", "scales", "biases")
+        steps = self.block_values > 0
+        names = ["codes", "scales"] + (["scale_steps"] if steps else [])
+        if self.zero_point is None:
+            names += ["biases"] + (["bias_steps"] if steps else [])
+        return tuple(names)
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "cols": self.cols, "bits": self.bits, "group_size": self.group_size,
-                "zero_point": self.zero_point, "row_halves": self.row_halves, "signed": self.signed}
+                "zero_point": self.zero_point, "row_halves": self.row_halves, "signed": self.signed,
+                "wide": self.wide, "block_values": self.block_values, "subtracts_bias": self.subtracts_bias}
 
 
 # What a signed 8-bit code is short of its q (MatrixFormat.signed).
@@ -117,30 +132,47 @@ class GraphPackedMatrix:
     dequantize_rows, dequantize_gathered (chunked_lm_loss)."""
 
     def __init__(self, matrix_format: MatrixFormat, codes: torch.Tensor, scales: torch.Tensor,
-                 biases: torch.Tensor | None) -> None:
+                 biases: torch.Tensor | None, scale_steps: torch.Tensor | None = None,
+                 bias_steps: torch.Tensor | None = None) -> None:
         self.format = matrix_format
         self.rows = self.out_features = matrix_format.rows
         self.cols = matrix_format.cols
         self.codes, self.scales, self.biases = codes, scales, biases
+        self.scale_steps, self.bias_steps = scale_steps, bias_steps
 
-    def _dense(self, integers: torch.Tensor, shift: int, scales: torch.Tensor,
-               biases: torch.Tensor | None) -> torch.Tensor:
-        """Dense rows from their integers as floats, each `shift` short of its q, and their scales and biases:
-        scale (q - zero point), or scale q + bias, as edgetrain.models.quantized computes them."""
+    def _group_values(self, stored: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
+        """[rows, groups, 1] float32: the stored values, or each block's times its groups' steps."""
+        rows, groups = stored.shape[0], self.cols // self.format.group_size
+        if steps is None:
+            # view, not unsqueeze: ExecuTorch runs a view as an alias of the same memory, an unsqueeze as a copy.
+            return stored.to(torch.float32).view(rows, groups, 1)
+        blocks = self.cols // self.format.block_values
+        per_block = groups // blocks
+        values = stored.to(torch.float32).view(rows, blocks, 1) * steps.to(torch.float32).view(rows, blocks, per_block)
+        return values.view(rows, groups, 1)
+
+    def _dense(self, integers: torch.Tensor, shift: int, rows_slice: slice | torch.Tensor) -> torch.Tensor:
+        """Dense rows from their integers as floats, each `shift` short of its q, and the scales and biases of
+        the rows `rows_slice` picks: scale (q - zero point), or scale q + bias (- bias), as
+        edgetrain.models.quantized computes them."""
         rows = integers.shape[0]
         groups = self.cols // self.format.group_size
         grouped = integers.view(rows, groups, self.format.group_size)
-        # view, not unsqueeze: ExecuTorch runs a view as an alias of the same memory, an unsqueeze as a copy.
-        scales = scales.to(torch.float32).view(rows, groups, 1)
-        if biases is None:
+        pick = (lambda t: None if t is None else t[rows_slice])
+        scales = self._group_values(pick(self.scales), pick(self.scale_steps))
+        if self.biases is None:
             zero = self.format.zero_point - shift
             dense = (grouped - zero if zero else grouped) * scales
         else:
-            dense = (grouped + shift if shift else grouped) * scales + biases.to(torch.float32).view(rows, groups, 1)
+            biases = self._group_values(pick(self.biases), pick(self.bias_steps))
+            scaled = (grouped + shift if shift else grouped) * scales
+            dense = scaled - biases if self.format.subtracts_bias else scaled + biases
         return dense.view(rows, self.cols)
 
     def _integers(self, codes: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The integers of unsplit codes (8 bits, or 4 bits as loaded) as floats, and their shift (_dense)."""
+        """The integers of unsplit codes (8 bits, wide, or 4 bits as loaded) as floats, and their shift (_dense)."""
+        if self.format.wide:
+            return codes.to(torch.float32), self.format.zero_point or 0
         if self.format.bits == 4:
             # A right shift is not in the Core ATen opset ExecuTorch runs; floor division by 16 is the same on
             # unsigned bytes.
@@ -151,30 +183,28 @@ class GraphPackedMatrix:
 
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None, device: object = None,
                         scratch: bool = False) -> torch.Tensor:
-        biases = None if self.biases is None else self.biases[start:stop]
+        rows = slice(start, stop)
         if not self.format.row_halves:
-            return self._dense(*self._integers(self.codes[start:stop]), self.scales[start:stop], biases)
+            return self._dense(*self._integers(self.codes[start:stop]), rows)
         half = self.rows // 2
         if start < half < stop:  # scratch_tiles never asks for this; a caller cutting its own tiles may
             return torch.cat([self.dequantize_rows(start, half), self.dequantize_rows(half, stop)])
         if stop <= half:
-            return self._dense(_low_nibbles(self.codes[start:stop].to(torch.float32)), 0, self.scales[start:stop],
-                               biases)
+            return self._dense(_low_nibbles(self.codes[start:stop].to(torch.float32)), 0, rows)
         return self._dense(_high_nibbles(self.codes[start - half:stop - half].to(torch.float32)), HIGH_NIBBLE_SHIFT,
-                           self.scales[start:stop], biases)
+                           rows)
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         flat = indices.reshape(-1)
-        biases = None if self.biases is None else self.biases[flat]
         if not self.format.row_halves:
-            dense = self._dense(*self._integers(self.codes[flat]), self.scales[flat], biases)
+            dense = self._dense(*self._integers(self.codes[flat]), flat)
             return dense.view(*indices.shape, self.cols)
         half = self.rows // 2
         upper = flat >= half
         bytes_as_floats = self.codes[torch.where(upper, flat - half, flat)].to(torch.float32)
         high = _high_nibbles(bytes_as_floats)
         integers = torch.where(upper.unsqueeze(-1), high + HIGH_NIBBLE_SHIFT, _low_nibbles(bytes_as_floats, high))
-        return self._dense(integers, 0, self.scales[flat], biases).view(*indices.shape, self.cols)
+        return self._dense(integers, 0, flat).view(*indices.shape, self.cols)
 
     def tiled_product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T a tile of rows at a time, the tiles' products side by side: one concatenation (XNNPACK's) where
@@ -200,9 +230,9 @@ def matrix_from_inputs(matrix_format: MatrixFormat, tensors: Iterator[torch.Tens
     """The dense weight, or a GraphPackedMatrix, from the next len(format.parts) inputs."""
     if not matrix_format.packed:
         return next(tensors)
-    codes, scales = next(tensors), next(tensors)
-    biases = next(tensors) if matrix_format.zero_point is None else None
-    return GraphPackedMatrix(matrix_format, codes, scales, biases)
+    named = {part: next(tensors) for part in matrix_format.parts}
+    return GraphPackedMatrix(matrix_format, named["codes"], named["scales"], named.get("biases"),
+                             named.get("scale_steps"), named.get("bias_steps"))
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,9 @@ from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 
-# 2: 4-bit codes in the int8 row_halves layout; 3: 8-bit codes signed (mesp_graph.MatrixFormat)
-FORMAT_VERSION = 3
+# 2: 4-bit codes in the int8 row_halves layout; 3: 8-bit codes signed; 4: wide codes and k-quant steps
+# (mesp_graph.MatrixFormat)
+FORMAT_VERSION = 4
 METHODS = ("embed", "block_forward", "block_backward", "head", "adamw")
 
 
@@ -77,10 +78,10 @@ def weights_path_for(program: str | Path) -> Path:
 
 
 def program_reads(layout: MatrixLayout) -> bool:
-    """Whether a block program dequantises a packed matrix of this layout itself (GraphPackedMatrix): 4- and
-    8-bit codes with one scale (and bias) a group, GGUF's Q4_0, Q4_1 and Q8_0. Others go in dense
-    (_converted_to_dense)."""
-    return layout.bits in (4, 8) and not layout.steps and layout.codebook is None
+    """Whether a block program dequantises a packed matrix of this layout itself (GraphPackedMatrix): every
+    affine GGUF block format (Q4_0 to Q8_0, the k-quants). IQ4_NL and IQ4_XS, on a non-uniform grid, go in
+    dense (_converted_to_dense)."""
+    return layout.codebook is None
 
 
 def _converted_to_dense(model: nn.Module) -> dict[str, str]:
@@ -98,14 +99,57 @@ def _matrix(module: nn.Module | PackedMatrix | torch.Tensor) -> tuple[MatrixForm
         return _dense(module)
     if isinstance(module, PackedMatrix):
         # Codes go in as int8 (MatrixFormat): 8-bit ones signed, 4-bit ones in the row_halves layout whenever
-        # the rows split evenly.
+        # the rows split evenly, others a code a byte less their zero point (wide).
+        layout = module.layout
         row_halves = module.bits == 4 and module.rows % 2 == 0
         signed = module.bits == 8
-        codes = pack_row_halves(module.codes) if row_halves else sign_codes(module.codes) if signed else module.codes
-        parts = [codes, module.scales] + ([] if module.biases is None else [module.biases])
-        return (MatrixFormat(module.rows, module.cols, module.bits, module.group_size, module.zero_point,
-                             row_halves, signed), [part.detach() for part in parts])
+        wide = module.bits not in (4, 8)
+        if wide:
+            codes = (module.unpacked_codes().to(torch.int16) - (layout.zero_point or 0)).to(torch.int8)
+        else:
+            codes = pack_row_halves(module.codes) if row_halves else sign_codes(module.codes) if signed else module.codes
+        parts = [codes, module.scales] + ([module.scale_steps] if layout.steps else [])
+        if module.biases is not None:
+            parts += [module.biases] + ([module.bias_steps] if layout.steps else [])
+        matrix_format = MatrixFormat(module.rows, module.cols, module.bits, module.group_size, module.zero_point,
+                                     row_halves, signed, wide, layout.block_values if layout.steps else 0,
+                                     layout.subtracts_bias)
+        return matrix_format, [part.detach() for part in parts]
     return MatrixFormat(*module.weight.shape), [module.weight.detach().to(torch.float32)]
+
+
+# The common format's grid: the smallest block of any GGUF format, and its smallest group.
+COMMON_BLOCK, COMMON_GROUPS = 32, (16, 32)
+
+
+def _common_matrices(modules: list[PackedMatrix]) -> list[tuple[MatrixFormat, list[torch.Tensor]]]:
+    """Matrices of one projection held in different affine formats, in one format that holds each exactly:
+    a code a byte (less its zero point), an f16 scale and bias every 32 columns (a k-quant's repeated), and
+    an integer step a group for each (1 where a format has none; a subtracted minimum as a negative step, a
+    symmetric format's bias 0). w = c (d s) + (m t), as each format's own arithmetic up to the sign of a zero."""
+    group = min(m.group_size for m in modules)
+    matrices = []
+    for module in modules:
+        layout = module.layout
+        rows, cols = module.rows, module.cols
+        per_scale = layout.scale_columns // COMMON_BLOCK
+        per_group = module.group_size // group
+        codes = (module.unpacked_codes().to(torch.int16) - (layout.zero_point or 0)).to(torch.int8)
+        scales = module.scales.to(torch.float32).repeat_interleave(per_scale, dim=1)
+        ones = torch.ones(rows, cols // module.group_size, dtype=torch.int8)
+        scale_steps = (module.scale_steps if layout.steps else ones).repeat_interleave(per_group, dim=1)
+        if module.biases is None:
+            biases = torch.zeros_like(scales)
+            bias_steps = torch.zeros(rows, cols // group, dtype=torch.int8)
+        else:
+            biases = module.biases.to(torch.float32).repeat_interleave(per_scale, dim=1)
+            steps = module.bias_steps.to(torch.int8) if layout.steps else ones
+            bias_steps = (-steps if layout.subtracts_bias else steps).repeat_interleave(per_group, dim=1)
+        matrix_format = MatrixFormat(rows, cols, 8, group, None, False, False, True, COMMON_BLOCK, False)
+        # f16 scales stay f16 (exact); a matrix quantised on load may hold float32 ones.
+        storage = torch.float16 if all(m.scales.dtype == torch.float16 for m in modules) else torch.float32
+        matrices.append((matrix_format, [codes, scales.to(storage), scale_steps, biases.to(storage), bias_steps]))
+    return matrices
 
 
 def _dense(module: nn.Module) -> tuple[MatrixFormat, list[torch.Tensor]]:
@@ -140,15 +184,21 @@ def _check_model(model: nn.Module) -> None:
 
 def _block_layout(model: nn.Module, config: MeSPConfig) -> tuple[BlockLayout, list[list[torch.Tensor]]]:
     """The layout all blocks share, and each block's frozen tensors in that layout's order. A projection
-    stays packed when every block holds it in the same packed format; otherwise it goes dense in all."""
+    stays packed as it is when every block holds it in the same packed format; in several affine formats
+    (a Q4_K_M file's Q4_K and Q6_K ffn_down) it goes in all blocks in one format that holds each exactly
+    (_common_matrices); otherwise it goes dense in all."""
     blocks = list(model.blocks)
     first = BlockWeights.from_block(blocks[0])
     projections, per_projection = [], {}
     for name in PROJECTIONS:
         modules = [_frozen_module(block, name) for block in blocks]
         formats = {_matrix(module)[0] for module in modules}
-        extract = _matrix if len(formats) == 1 else _dense
-        per_projection[name] = [extract(module) for module in modules]
+        if len(formats) == 1:
+            per_projection[name] = [_matrix(module) for module in modules]
+        elif all(isinstance(m, PackedMatrix) and program_reads(m.layout) for m in modules):
+            per_projection[name] = _common_matrices(modules)
+        else:
+            per_projection[name] = [_dense(module) for module in modules]
         adapters = [block.get_submodule(LORA_TARGETS[name]) for block in blocks]
         ranks = {module.rank if isinstance(module, LoRALinear) else 0 for module in adapters}
         scales = {float(module.scale) if isinstance(module, LoRALinear) else 1.0 for module in adapters}
@@ -233,7 +283,7 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
                           if isinstance(m, PackedMatrix) and not program_reads(m.layout))
         counts = Counter(converted.values())
         log.warning("export --method mesp: %d packed matrices (%s) go into the program as dense float32 (%.1f MiB): "
-                    "its block programs dequantise Q4_0, Q4_1 and Q8_0 tiles themselves, not yet these formats (%s)",
+                    "its block programs dequantise affine block formats themselves, not a non-uniform grid (%s)",
                     len(converted), ", ".join(f"{name} x {n}" for name, n in sorted(counts.items())),
                     dense_bytes / 2 ** 20, ", ".join(list(converted)[:4]) + (", ..." if len(converted) > 4 else ""))
     layout, frozen = _block_layout(model, config)

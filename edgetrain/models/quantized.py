@@ -291,6 +291,10 @@ class PackedMatrix(nn.Module):
                        (self.codes, self.high_codes, self.scales, self.scale_steps, self.biases, self.bias_steps)),
                      self.codebook)
 
+    def unpacked_codes(self) -> torch.Tensor:
+        """uint8 [rows, cols]: every column's code, its planes put together (an export's wide layout)."""
+        return self._unpack_codes(self._packed_rows(slice(0, self.rows)), scratch=False)
+
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense rows `indices` (any shape of integers): [*indices.shape, cols]."""
         flat = indices.reshape(-1)

@@ -48,7 +48,7 @@ using edgetrain::InputError;
 
 namespace {
 
-constexpr int64_t kFormatVersion = 3;  // 2: int8 row_halves codes; 3: signed 8-bit codes (edgetrain/export/mesp_graph.py)
+constexpr int64_t kFormatVersion = 4;  // 2: int8 row_halves codes; 3: signed 8-bit codes; 4: wide codes, k-quant steps (edgetrain/export/mesp_graph.py)
 
 struct NonFinite : std::runtime_error {
   using std::runtime_error::runtime_error;
