@@ -166,3 +166,33 @@ def test_a_checkpoint_of_another_program_is_refused(runner, exported, tmp_path):
     run_mesp_runner(runner, other, batch_file, lr=LR, steps=1, checkpoint=checkpoint)
     result = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=checkpoint, check=False)
     assert result.returncode == 3 and "a checkpoint of another program" in result.error
+
+
+def _export_fixture(directory, file_type: str, delegate: str):
+    from pathlib import Path
+
+    from edgetrain.data import make_stream
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "gguf" / f"tiny-{file_type}.gguf"
+    torch.manual_seed(0)
+    model = make_trainable(edgetrain.load_model(fixture), "lora", rank=4)
+    reference = copy.deepcopy(model)
+    program, weights = export_mesp_program(model, 2, 16, directory / "kquant.pte", delegate=delegate)
+    batches = list(itertools.islice(make_stream("text", batch_size=2, seq_len=16, vocab_size=256), 3))
+    return program, weights, write_batch_file(directory / "batches.bin", batches), batches, reference
+
+
+@pytest.mark.parametrize("delegate", ["none", pytest.param("xnnpack", marks=pytest.mark.slow)])
+def test_the_runner_trains_a_q4_k_m_file_as_the_replay_and_torch_mesp(runner, tmp_path, delegate):
+    """llama.cpp's Q4_K_M mix (Q4_K, Q6_K) dequantised in the block programs, on ExecuTorch's kernels and on
+    XNNPACK (slow lane: its lowering takes minutes): the runner equals the Python replay bit for bit and torch's
+    mesp to 1e-5."""
+    program, weights, batch_file, batches, reference = _export_fixture(tmp_path, "Q4_K_M", delegate)
+    native = run_mesp_runner(runner, program, batch_file, lr=LR, save=tmp_path / "adapter.safetensors")
+    replay = MeSPProgramTrainer(program, weights, AdamWSettings(lr=LR))
+    assert native.losses == [replay.step(batch) for batch in batches]
+    replay_adapters = replay.adapters()
+    assert all(torch.equal(native.adapter[name], value) for name, value in replay_adapters.items())
+    torch_losses, torch_adapters = mesp_reference(copy.deepcopy(reference), batches, AdamWSettings(lr=LR))
+    assert max(abs(a - b) for a, b in zip(native.losses, torch_losses)) <= 1e-5
+    assert max(float((native.adapter[n] - t).abs().max()) for n, t in torch_adapters.items()) <= 1e-5
