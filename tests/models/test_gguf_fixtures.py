@@ -20,10 +20,10 @@ from edgetrain.methods import METHODS
 from edgetrain.models.gguf.dequant import dequantize
 from edgetrain.models.gguf.loader import load_gguf
 from edgetrain.models.gguf.reader import read_gguf
-from edgetrain.models.lora import LoRALinear
 from edgetrain.models.quantized import PackedMatrix
 from gguf_blocks_testkit import assert_follows_llama_cpp
 from quantized_testkit import dense_twin
+from testkit import random_lora_b
 
 gguf = pytest.importorskip("gguf")
 
@@ -91,10 +91,7 @@ def test_gradients_on_the_packed_base_equal_autograd_through_the_dequantised_one
     model = load_gguf(fixture(file_type), quantized=True)
     torch.manual_seed(0)
     edgetrain.add_lora(model, rank=4)
-    with torch.no_grad():
-        for layer in model.modules():
-            if isinstance(layer, LoRALinear):
-                layer.lora_B.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    random_lora_b(model, seed=1, scale=0.02)
     dense = dense_twin(model)
     ids = torch.tensor([TOKENS[:25], TOKENS[8:33]])
     batch = Batch(ids[:, :-1].clone(), ids[:, 1:].clone(), 0)
