@@ -68,9 +68,11 @@ class _Shape:
         # A quantised base is dequantised one matrix at a time, in the compute dtype (plus the cast to a
         # narrower model dtype): the largest block projection, and one vocabulary tile of the head.
         dense_element = self.loss_element + (self.element if self.element != self.loss_element else 0)
-        quantized_blocks = any(isinstance(m, PackedMatrix) for m in model.blocks[0].modules())
+        packed = [m for block in model.blocks for m in block.modules() if isinstance(m, PackedMatrix)]
+        # Codes with a high plane (5- and 6-bit, Q3_K) gather its contributions into a second tile.
+        tiles = 2 if any(m.layout.planes[1] for m in packed) else 1
         self.dense_projection = (min(max(self.inner, self.query, self.kv) * self.hidden,
-                                     tile_elements(batch.inputs.device)) * dense_element if quantized_blocks else 0)
+                                     tile_elements(batch.inputs.device)) * dense_element * tiles if packed else 0)
         self.quantized_head = isinstance(getattr(model.head, "lm_head", None), QUANTIZED_HEADS)
         self.mesp = mesp  # mesp's chunk options
         self.vocab_chunk = mesp.vocab_chunk or default_vocab_chunk(self.quantized_head, batch.inputs.device)
