@@ -143,7 +143,8 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, 
     except ImportError as exc:
         raise MergeError(f"writing a GGUF file needs the gguf package (pip install 'edgetrain[gguf]'): {exc}") from None
     from edgetrain.models.gguf.config import config_from_metadata
-    from edgetrain.models.gguf.loader import gguf_name_to_edgetrain, permute_rope_rows, rope_heads
+    from edgetrain.models.gguf.config import CONFIG_TENSORS
+    from edgetrain.models.gguf.loader import gguf_name_to_edgetrain, permute_rope_rows, read_values, rope_heads
     from edgetrain.models.gguf.reader import read_gguf
     from edgetrain.training.checkpoint import atomic_write_file
 
@@ -157,6 +158,9 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, 
     state = merged_state_dict(model)
     arrays: list[tuple[str, np.ndarray]] = []
     for info in base.tensors.values():
+        if info.name in CONFIG_TENSORS:  # Llama 3's RoPE factors: the base's, as they are (F32)
+            arrays.append((info.name, np.ascontiguousarray(read_values(base, info))))
+            continue
         name = gguf_name_to_edgetrain(info.name)
         tensor = state[name].detach().to("cpu", torch.float64)
         heads = rope_heads(config, info.name)

@@ -97,11 +97,30 @@ def _refuse_unsupported_features(gguf: GGUFFile, arch: str) -> None:
     if scaling != "none":
         raise GGUFError(f"{gguf.path}: metadata {arch}.rope.scaling.type = {scaling!r}: RoPE scaling from GGUF "
                         "is not supported yet")
-    if "rope_freqs.weight" in gguf.tensors:
-        raise GGUFError(f"{gguf.path}: tensor 'rope_freqs.weight' (Llama 3.1-style RoPE frequency factors) "
-                        "is not supported yet")
     if metadata_int(gguf, f"{arch}.expert_count", 0):
         raise GGUFError(f"{gguf.path}: metadata {arch}.expert_count > 0: mixture-of-experts models are not supported")
+
+
+# Tensors that describe the model rather than hold its weights: read here, never planned as parameters.
+CONFIG_TENSORS = ("rope_freqs.weight",)
+
+
+def _rope_scaling(gguf: GGUFFile, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Llama 3.x's RoPE scaling from its `rope_freqs.weight` (edgetrain.models.gguf.rope_freqs), or None."""
+    from edgetrain.models.gguf.dequant import dequantize
+    from edgetrain.models.gguf.rope_freqs import llama3_scaling_from_factors
+
+    info = gguf.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.type_name not in ("F32", "F16"):
+        raise GGUFError(f"{gguf.path}: tensor 'rope_freqs.weight' is stored as {info.type_name}; llama.cpp writes "
+                        "RoPE frequency factors as F32")
+    factors = dequantize(gguf.tensor_bytes(info), info.ggml_type, info.shape)
+    try:
+        return llama3_scaling_from_factors(factors, theta, head_dim)
+    except ValueError as exc:
+        raise GGUFError(f"{gguf.path}: tensor 'rope_freqs.weight' {exc}") from None
 
 
 def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
@@ -127,6 +146,8 @@ def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
     if rope_dims != head_dim:
         raise GGUFError(f"{gguf.path}: metadata {arch}.rope.dimension_count {rope_dims} differs from the head "
                         f"size {head_dim}; partial rotary embeddings are not supported")
+    theta = metadata_float(gguf, f"{arch}.rope.freq_base", 10000.0)
+    rope_scaling = _rope_scaling(gguf, theta, head_dim)
     try:
         return LlamaConfig(
             vocab_size=_vocab_size(gguf, arch),
@@ -137,7 +158,8 @@ def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
             num_key_value_heads=metadata_int(gguf, f"{arch}.attention.head_count_kv", heads),
             head_dim=head_dim,
             rms_norm_eps=metadata_float(gguf, f"{arch}.attention.layer_norm_rms_epsilon"),
-            rope_theta=metadata_float(gguf, f"{arch}.rope.freq_base", 10000.0),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
             attention_bias=SUPPORTED_ARCHITECTURES[arch],
             tie_word_embeddings="output.weight" not in gguf.tensors,
             max_position_embeddings=metadata_int(gguf, f"{arch}.context_length"),

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edgetrain.models.gguf.config import config_from_metadata, metadata_str
+from edgetrain.models.gguf.config import CONFIG_TENSORS, config_from_metadata, metadata_str
 from edgetrain.models.gguf.dequant import DEQUANTIZERS, SUPPORTED_TYPE_NAMES, dequantize
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
 from edgetrain.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, GGUFTokenizer, gguf_tokenizer
@@ -96,6 +96,8 @@ def plan_tensors(gguf: GGUFFile, config: LlamaConfig,
     tied = {"head.lm_head.weight"} if config.tie_word_embeddings else set()
     plan: dict[str, tuple[str, TensorInfo]] = {}
     for info in gguf.tensors.values():
+        if info.name in CONFIG_TENSORS:  # read into the config (config_from_metadata)
+            continue
         target = gguf_name_to_edgetrain(info.name)
         if target is None or target not in expected:
             raise GGUFError(f"{gguf.path}: tensor {info.name!r} does not belong to a "

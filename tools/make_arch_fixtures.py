@@ -1,0 +1,159 @@
+"""Remake tests/fixtures/arch: tiny random models of today's architectures, built by transformers' own
+config and model classes (offline), saved as checkpoint directories, converted to GGUF by llama.cpp's own
+converter (convert_hf_to_gguf.py), with transformers' logits and llama.cpp's on fixed tokens beside them.
+
+    .venv/bin/python tools/make_arch_fixtures.py [--out tests/fixtures/arch] [--llama-cpp-src DIR]
+
+llama.cpp's converter comes from the llama-cpp-python source distribution (`pip download --no-deps
+--no-binary :all: llama-cpp-python==0.3.36`, fetched into --cache when --llama-cpp-src is not given; nothing
+of it is committed). It refuses a BPE vocabulary whose pre-tokenizer it does not recognise by hash; the
+fixtures' small vocabulary is a byte-level BPE of their own, so the converter is told the pre-tokenizer
+(`PRE_TOKENIZERS`). llama.cpp's logits need llama-cpp-python (the `llamacpp` extra); without it they are left
+out and the tests that read them skip.
+
+Models (ARCHITECTURES): `llama3`, Llama 3.2's shape with its RoPE scaling (rope_type llama3), which llama.cpp
+writes as `rope_freqs.weight`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures" / "arch"
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+TOKENS = 96  # positions whose logits are stored: past Llama 3's original context below (64), where scaling acts
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+
+
+def _llama3() -> Any:
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}))
+
+
+# name -> (the transformers model, built with the vocabulary's size set by the caller; llama.cpp's pre-tokenizer)
+ARCHITECTURES: dict[str, Callable[[], Any]] = {"llama3": _llama3}
+PRE_TOKENIZERS = {"llama3": "llama-bpe"}
+
+
+def _vocab():
+    sys.path.insert(0, str(REPO / "tests"))
+    import gguf_testkit
+
+    return gguf_testkit.VOCAB
+
+
+def save_checkpoint(name: str, directory: Path) -> Any:
+    """The model with random weights (seed 0) and the fixtures' byte-level BPE tokenizer, saved as transformers
+    saves them."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges, _ = _vocab()
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                     merges=[tuple(m.split(" ")) for m in merges]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>",
+                                                eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    torch.manual_seed(0)
+    model = ARCHITECTURES[name]()
+    model.resize_token_embeddings(len(tokens))
+    model.eval()
+    model.save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return model
+
+
+def llama_cpp_source(cache: Path) -> Path:
+    """vendor/llama.cpp of llama-cpp-python's source distribution, fetched through the package index once."""
+    found = sorted(cache.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if found:
+        return found[-1].parent
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON,
+                    "-d", str(cache), "-q"], check=True)
+    archive = next(cache.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and (
+            m.name.endswith(".py") or "/gguf-py/" in m.name)]
+        tar.extractall(cache, members=members, filter="data")
+    return next(cache.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py")).parent
+
+
+def convert(source: Path, checkpoint: Path, out: Path, pre_tokenizer: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on `checkpoint`, F32, told the pre-tokenizer, in a child process (its
+    own gguf-py, not the installed one)."""
+    code = (f"import sys, runpy\nsys.path[:0] = [{str(source / 'gguf-py')!r}, {str(source)!r}]\n"
+            "import conversion.base as base\n"
+            f"base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre_tokenizer!r}\n"
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(checkpoint)!r}, '--outfile', {str(out)!r}, '--outtype', 'f32']\n"
+            f"runpy.run_path({str(source / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+
+
+def fixture_tokens() -> list[int]:
+    rng = np.random.default_rng(7)
+    return [int(t) for t in rng.integers(0, len(_vocab()[0]), TOKENS)]
+
+
+def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0)
+    llm.eval(ids)
+    logits = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    llm.close()
+    return logits
+
+
+def make(out: Path, source: Path) -> dict:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = fixture_tokens()
+    manifest: dict[str, Any] = {"tokens": ids, "models": {}}
+    logits: dict[str, np.ndarray] = {}
+    for name in ARCHITECTURES:
+        checkpoint = out / name
+        model = save_checkpoint(name, checkpoint)
+        gguf_path = out / f"{name}.gguf"
+        convert(source, checkpoint, gguf_path, PRE_TOKENIZERS[name])
+        with torch.no_grad():
+            logits[f"{name}.transformers"] = model(torch.tensor([ids])).logits[0].float().numpy()
+        theirs = llama_cpp_logits(gguf_path, ids)
+        if theirs is not None:
+            logits[f"{name}.llama_cpp"] = theirs
+        manifest["models"][name] = {"checkpoint": name, "gguf": gguf_path.name, "llama_cpp": theirs is not None}
+        print(f"{name}: {checkpoint.name}/ and {gguf_path.name} ({gguf_path.stat().st_size / 1024:.0f} KiB)")
+    np.savez_compressed(out / "logits.npz", tokens=np.array(ids, dtype=np.int32), **logits)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=FIXTURES)
+    parser.add_argument("--llama-cpp-src", type=Path, default=None, help="llama.cpp's source (vendor/llama.cpp)")
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "edgetrain" / "llama-cpp-src")
+    args = parser.parse_args()
+    make(args.out, args.llama_cpp_src or llama_cpp_source(args.cache))
+
+
+if __name__ == "__main__":
+    main()
