@@ -7,6 +7,7 @@ are removed by the next write into their directory (only edgetrain's own temp na
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from edgetrain.files.space import check_free_space, disk_full_error, free_bytes, is_disk_full
 from edgetrain.registry import EdgetrainError
 
 class OutputPathError(EdgetrainError, OSError):
@@ -106,6 +108,8 @@ def _make_temp(path: Path, suffix: str, directory: bool) -> Path:
             continue
         except BaseException as exc:
             _release_temp(tmp)
+            if is_disk_full(exc):
+                raise disk_full_error(path) from None
             if isinstance(exc, (OSError, ValueError)):
                 raise output_path_error(path, exc) from None
             raise
@@ -206,14 +210,27 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
+def atomic_write_file(path: str | Path, fill: Callable[[Path], object], needed: int | None = None) -> Path:
     """Replace file `path` by what `fill(temp_path)` writes there, so that a crash at any moment leaves the
-    old file or the complete new one (for writers that want a path rather than bytes: GGUF, big files)."""
+    old file or the complete new one (for writers that want a path rather than bytes: GGUF, big files).
+    A full disk (ENOSPC, EDQUOT) is a DiskFullError naming the path, with the temp removed and the old file
+    as it was; `needed`, the bytes it will take when known, is checked against the free space first."""
     path = Path(path)
+    try:
+        return _atomic_write_file(path, fill, needed)
+    except OSError as exc:
+        if is_disk_full(exc) and not isinstance(exc, EdgetrainError):
+            raise disk_full_error(path, needed) from None
+        raise
+
+
+def _atomic_write_file(path: Path, fill: Callable[[Path], object], needed: int | None) -> Path:
     make_parent(path)
     if os.path.isdir(path):  # os.path's: False, not an OSError, for a name the file system refuses
         raise OutputPathError(f"output {path} is a directory; a file is written there")
     remove_stale_temps_in(path.parent)
+    if needed is not None:
+        check_free_space(path, needed)
     tmp_name = _make_temp(path, ".tmp", directory=False)
     try:
         if path.is_file():
@@ -225,8 +242,11 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
         finally:
             os.close(descriptor)
         os.replace(tmp_name, path)
-    except BaseException:
+    except BaseException as exc:
+        short = _short_write_on_a_full_disk(exc, path)  # asked before the temp gives its space back
         Path(tmp_name).unlink(missing_ok=True)
+        if short:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
         raise
     finally:
         _release_temp(tmp_name)
@@ -234,9 +254,22 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object]) -> Path:
     return path
 
 
+# Below this, a write that came up short (an OSError without an errno, as writers that count their bytes
+# raise) is taken for a full disk.
+_NEARLY_NOTHING_FREE = 64 * 1024
+
+
+def _short_write_on_a_full_disk(exc: BaseException, path: Path) -> bool:
+    if not isinstance(exc, OSError) or exc.errno is not None:
+        return False
+    free = free_bytes(path.parent)
+    return free is not None and free < _NEARLY_NOTHING_FREE
+
+
 def atomic_write_bytes(data: bytes, path: str | Path) -> Path:
-    """Write `data` to `path` so that a crash at any moment leaves the old file or the complete new one."""
-    return atomic_write_file(path, lambda tmp: tmp.write_bytes(data))
+    """Write `data` to `path` so that a crash at any moment leaves the old file or the complete new one; a
+    disk without room for it is refused before anything is written (DiskFullError)."""
+    return atomic_write_file(path, lambda tmp: tmp.write_bytes(data), needed=len(data))
 
 
 def atomic_write_json(value: Any, path: str | Path, indent: int | None = 1) -> Path:
@@ -321,8 +354,17 @@ def atomic_write_directory(path: str | Path, fill: Callable[[Path], object]) -> 
     contents or the complete new ones, never a mix (files of the old directory that `fill` does not write
     are kept). The new directory is built in a temp sibling, then swapped in by two renames:
     path -> .NAME.old, temp -> path. A crash between them leaves .NAME.old complete; readers use it
-    (readable_directory) and the next save of `path` renames it back before anything else."""
-    path = Path(path)
+    (readable_directory) and the next save of `path` renames it back before anything else. A full disk is a
+    DiskFullError naming the directory, with the temp removed and the old directory as it was."""
+    try:
+        return _atomic_write_directory(Path(path), fill)
+    except OSError as exc:
+        if is_disk_full(exc) and not isinstance(exc, EdgetrainError):
+            raise disk_full_error(Path(path), what="directory") from None
+        raise
+
+
+def _atomic_write_directory(path: Path, fill: Callable[[Path], object]) -> Path:
     make_parent(path)
     if path.is_symlink():
         path = path.resolve()

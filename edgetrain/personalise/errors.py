@@ -1,6 +1,7 @@
 """The personaliser's named errors: each says what is wrong and leaves the store as it was."""
 from __future__ import annotations
 
+from edgetrain.files.space import DiskFullError
 from edgetrain.registry import EdgetrainError
 
 
@@ -23,6 +24,11 @@ class StoreError(PersonaliseError, OSError):
 
 class DamagedStoreError(StoreError):
     """The store's database file is damaged (not SQLite, or malformed). The file is left untouched."""
+
+
+class StoreFullError(StoreError, DiskFullError):
+    """The disk holding the store has no room for what was being written; SQLite rolled it back, so the
+    examples and versions already stored are as they were."""
 
 
 class StoreVersionError(StoreError):

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from edgetrain.personalise.errors import DamagedStoreError, StoreBusyError, StoreError, StoreVersionError
+from edgetrain.files.space import free_bytes
+from edgetrain.personalise.errors import DamagedStoreError, StoreBusyError, StoreError, StoreFullError, StoreVersionError
 from edgetrain.personalise.events import EventLog
 from edgetrain.personalise.examples import Example, ModelKind, parse_example
 
@@ -78,8 +79,30 @@ CREATE TABLE IF NOT EXISTS version_retain (
 """
 
 
+# SQLite's primary result codes for a full disk, and for an I/O error (which is what a failed write of its
+# journal reports when the disk fills: told apart from a failing disk by the free space left).
+_SQLITE_FULL, _SQLITE_IOERR = 13, 10
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _disk_full(exc: sqlite3.Error, path: Path) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is None:
+        return "disk is full" in str(exc)
+    if code & 0xFF == _SQLITE_FULL:
+        return True
+    free = free_bytes(path.parent)
+    return code & 0xFF == _SQLITE_IOERR and free is not None and free < _NEARLY_FULL_BYTES
+
+
 def _translate(exc: sqlite3.Error, path: Path) -> StoreError:
     message = str(exc)
+    if _disk_full(exc, path):
+        free = free_bytes(path.parent)
+        return StoreFullError(f"{path}: no space left on the device for the store"
+                              + (f" ({free:,} bytes free in {path.parent})" if free is not None else "")
+                              + f"; nothing was written and the examples and versions already stored are as they "
+                              f"were (free some space and run it again; SQLite said: {message})")
     if isinstance(exc, sqlite3.OperationalError):
         if "locked" in message or "busy" in message:
             return StoreBusyError(f"{path}: another writer held the store for more than {BUSY_TIMEOUT_S:g} s ({message})")
