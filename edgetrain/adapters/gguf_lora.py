@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgetrain.models.gguf.writing import finish_gguf
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig
 from edgetrain.utils.logs import get_logger
@@ -89,10 +90,7 @@ def write_gguf_lora(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
             writer.add_string("edgetrain.base_model", str(base_model))
         for gguf_name, array in arrays.items():
             writer.add_tensor(gguf_name, array)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish_gguf(writer)
 
     return atomic_write_file(path, fill)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgetrain.models.gguf.writing import finish_gguf
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.registry import EdgetrainError
 from edgetrain.utils.logs import get_logger
@@ -184,9 +185,6 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, 
         writer.add_file_type(int(file_type))
         for name, array in arrays:
             writer.add_tensor(name, array)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish_gguf(writer)
 
     return atomic_write_file(path, fill)

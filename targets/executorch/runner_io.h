@@ -5,7 +5,10 @@
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <array>
 #include <cstdint>
@@ -121,24 +124,61 @@ inline std::string json_escape(const std::string& text) {
   return out;
 }
 
+inline std::string directory_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash + 1);
+}
+
+// Bytes free to this process on the file system holding `path`'s directory; -1 where it cannot be read.
+inline long long free_bytes(const std::string& path) {
+  struct statvfs stats;
+  if (::statvfs(directory_of(path).c_str(), &stats) != 0) return -1;
+  return static_cast<long long>(stats.f_bavail) * static_cast<long long>(stats.f_frsize);
+}
+
+// A full disk said as such (edgetrain.files.space's words): the path, what it needed, what is free.
+inline OutputError no_space(const std::string& path, size_t needed) {
+  const long long free = free_bytes(path);
+  std::string message = "no space left on the device to write " + path + ": it needs " + std::to_string(needed) +
+                        " bytes";
+  if (free >= 0) message += ", " + std::to_string(free) + " bytes free in " + directory_of(path);
+  return OutputError(message + "; nothing already there was changed (free some space and run it again)");
+}
+
+inline bool disk_full(int error) { return error == ENOSPC || error == EDQUOT; }
+
 // Replace `path` by `bytes`: written to a temporary beside it, flushed to disk, renamed over it, so a kill at
-// any moment leaves the old file or the whole new one.
+// any moment leaves the old file or the whole new one. A disk without room for them is refused before anything
+// is written; one that fills meanwhile (another writer) removes the temporary and says so.
 inline void atomic_write(const std::string& path, const std::string& bytes) {
+  const long long free = free_bytes(path);
+  if (free >= 0 && static_cast<unsigned long long>(free) < bytes.size()) throw no_space(path, bytes.size());
   const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw OutputError("cannot write " + tmp + ": " + std::strerror(errno));
+  if (fd < 0) {
+    if (disk_full(errno)) throw no_space(path, bytes.size());
+    throw OutputError("cannot write " + tmp + ": " + std::strerror(errno));
+  }
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0) {
-      const std::string reason = std::strerror(errno);
+      const int error = errno;
       ::close(fd);
       ::unlink(tmp.c_str());
-      throw OutputError("cannot write " + tmp + ": " + reason);
+      if (disk_full(error)) throw no_space(path, bytes.size());
+      throw OutputError("cannot write " + tmp + ": " + std::strerror(error));
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+  if (::fsync(fd) != 0) {
+    const int error = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    if (disk_full(error)) throw no_space(path, bytes.size());
+    throw OutputError("cannot flush " + tmp + ": " + std::strerror(error));
+  }
+  if (::close(fd) != 0) {
     ::unlink(tmp.c_str());
     throw OutputError("cannot flush " + tmp);
   }
@@ -146,9 +186,7 @@ inline void atomic_write(const std::string& path, const std::string& bytes) {
     ::unlink(tmp.c_str());
     throw OutputError("cannot rename " + tmp + " to " + path);
   }
-  const size_t slash = path.find_last_of('/');
-  const std::string directory = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-  const int dir = ::open(directory.c_str(), O_RDONLY);
+  const int dir = ::open(directory_of(path).c_str(), O_RDONLY);
   if (dir >= 0) {
     ::fsync(dir);
     ::close(dir);

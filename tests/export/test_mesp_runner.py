@@ -196,3 +196,40 @@ def test_the_runner_trains_a_q4_k_m_file_as_the_replay_and_torch_mesp(runner, tm
     torch_losses, torch_adapters = mesp_reference(copy.deepcopy(reference), batches, AdamWSettings(lr=LR))
     assert max(abs(a - b) for a, b in zip(native.losses, torch_losses)) <= 1e-5
     assert max(float((native.adapter[n] - t).abs().max()) for n, t in torch_adapters.items()) <= 1e-5
+
+
+def test_a_full_disk_stops_the_runner_with_a_sentence_and_the_resume_is_bit_for_bit(runner, exported, tmp_path):
+    """The runner's checkpoint on a disk that holds one of it but not a second beside it (the atomic replace
+    writes the new one before the old one goes): exit status 4 with the sentence, the previous step's
+    checkpoint kept, no temporary left; after the disk grows the rerun ends where an uninterrupted run does.
+    A --save that cannot fit is refused the same way."""
+    import subprocess as sp
+
+    program, _, batch_file, _, _ = exported
+    whole = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=tmp_path / "whole.ckpt",
+                            save=tmp_path / "whole.safetensors")
+    size_kib = (tmp_path / "whole.ckpt").stat().st_size // 1024
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = sp.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib * 3 // 2 + 4}k", "tmpfs", str(disk)],
+                     capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (not root?): {mounted.stderr.strip()}")
+    try:
+        full = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=disk / "run.ckpt", check=False)
+        assert full.returncode == 4 and "no space left on the device to write" in full.error, full.error
+        assert len(full.losses) == 2 and [p.name for p in disk.iterdir()] == ["run.ckpt"]
+        sp.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        resumed = run_mesp_runner(runner, program, batch_file, lr=LR, checkpoint=disk / "run.ckpt",
+                                  save=disk / "adapter.safetensors")
+        # The step whose checkpoint did not fit is run again: the kept checkpoint is the step before it.
+        assert resumed.losses == whole.losses[len(full.losses) - 1:]
+        assert all(torch.equal(resumed.adapter[name], value) for name, value in whole.adapter.items())
+        sp.run(["umount", "-l", str(disk)], check=True)
+        sp.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(disk)], check=True)  # less than an adapter
+        refused = run_mesp_runner(runner, program, batch_file, lr=LR, steps=1, save=disk / "again.safetensors",
+                                  check=False)
+        assert refused.returncode == 4 and "no space left" in refused.error
+        assert not (disk / "again.safetensors").exists() and not (disk / "again.safetensors.tmp").exists()
+    finally:
+        sp.run(["umount", "-l", str(disk)], capture_output=True)
