@@ -5,28 +5,23 @@ README's train/eval lowers held-out perplexity by >= 20%, and personalise run tr
 downloads the model and needs the llamacpp extra (which compiles llama.cpp)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from edgetrain.cli import main
 from edgetrain.models.quantized import PackedMatrix
+from testkit import load_tool
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'edgetrain[llamacpp]')")
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def q4_k_m(smollm2_file, tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("requantize_gguf", REPO / "tools" / "requantize_gguf.py")
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules["requantize_gguf"] = tool
-    spec.loader.exec_module(tool)
+    tool = load_tool("requantize_gguf")
     out = tmp_path_factory.mktemp("q4_k_m") / "smollm2-q4_k_m.gguf"
     types = tool.requantize(Path(smollm2_file), out, "Q4_K_M")
     assert types["Q4_K"] > 0 and types["Q6_K"] > 0 and types["Q5_0"] > 0

@@ -53,3 +53,17 @@ def process_memory_state() -> dict:
         with plugged_free_heap() as plugged:
             state["pluggable_mib"] = round(plugged / 2**20, 1)
     return state
+
+
+def load_tool(name: str):
+    """A script of tools/ as a module (tools/ is not a package): tools/NAME.py."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look a module up by name
+    spec.loader.exec_module(module)
+    return module

@@ -4,24 +4,15 @@ live logits, from the checkpoint directory and from the converter's GGUF, and fo
 llama-cpp-python is installed."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from testkit import load_tool
+
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("make_arch_fixtures", REPO / "tools" / "make_arch_fixtures.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_arch_fixtures"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_remade_fixtures_load_to_transformers_and_llama_cpps_logits(tmp_path):
@@ -30,7 +21,7 @@ def test_remade_fixtures_load_to_transformers_and_llama_cpps_logits(tmp_path):
     import edgetrain
     from gguf_blocks_testkit import assert_follows_llama_cpp
 
-    tool = _tool()
+    tool = load_tool("make_arch_fixtures")
     try:
         source = tool.llama_cpp_source(Path.home() / ".cache" / "edgetrain" / "llama-cpp-src")
     except (subprocess.CalledProcessError, StopIteration) as exc:

@@ -3,13 +3,13 @@ llama.cpp): the files it makes now hold the same tensor types as the committed f
 to llama.cpp's live logits, and llama.cpp's logits on the committed files are the stored ones."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from testkit import load_tool
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
                                                      "'edgetrain[llamacpp]'; it compiles llama.cpp)")
@@ -19,21 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "gguf"
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("make_gguf_fixtures", REPO / "tools" / "make_gguf_fixtures.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_gguf_fixtures"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_remade_fixtures_hold_the_same_types_and_follow_llama_cpp_live(tmp_path):
     import torch
 
     from edgetrain.models.gguf.loader import load_gguf
     from gguf_blocks_testkit import assert_follows_llama_cpp
 
-    tool = _tool()
+    tool = load_tool("make_gguf_fixtures")
     manifest = tool.make(tmp_path)
     stored = json.loads((FIXTURES / "manifest.json").read_text())
     assert manifest["tokens"] == stored["tokens"]
