@@ -107,12 +107,18 @@ def test_a_float_matrix_is_held_dense_and_said_so_only_for_quantised_types(tmp_p
 
 
 def test_a_type_edgetrain_does_not_read_is_refused_by_name(tmp_path):
-    """Types edgetrain does not read (Q5_0 here; the K- and i-quants too: edgetrain reads F32, F16, BF16,
-    Q4_0, Q4_1, Q8_0) are refused by name on the packed and the dense path alike, never guessed at."""
+    """A type edgetrain does not read (Q8_1 here, llama.cpp's activation type; the i-quants other than
+    IQ4_NL/IQ4_XS too) is refused by name on the packed and the dense path alike, never guessed at."""
+    import numpy as np
     from gguf_testkit import Q, hf_model, write_gguf
     from edgetrain.models.gguf import GGUFError
 
-    path = write_gguf(tmp_path / "model.gguf", hf_model("llama"), Q.Q5_0)
+    def q8_1(writer):
+        name = "blk.0.ffn_up.weight"
+        rows, cols = tuple(writer.tensors[0].pop(name).shape)
+        writer.add_tensor(name, np.zeros((rows, cols // 32 * 40), np.uint8), raw_dtype=Q.Q8_1)
+
+    path = write_gguf(tmp_path / "model.gguf", hf_model("llama"), Q.Q4_0, tweak=q8_1)
     for options in (LoadOptions(), LoadOptions(dequantize=True)):
-        with pytest.raises(GGUFError, match="Q5_0"):
+        with pytest.raises(GGUFError, match="blk.0.ffn_up.weight.*Q8_1"):
             edgetrain.load_model(path, options=options)
