@@ -12,7 +12,8 @@ fixtures' small vocabulary is a byte-level BPE of their own, so the converter is
 out and the tests that read them skip.
 
 Models (ARCHITECTURES): `llama3`, Llama 3.2's shape with its RoPE scaling (rope_type llama3), which llama.cpp
-writes as `rope_freqs.weight`.
+writes as `rope_freqs.weight`; `qwen3`, Qwen3's head norms over q and k with a head size of its own (32, not
+hidden / heads = 16) and an untied head. Norm weights are drawn away from one, so a norm read wrongly shows.
 """
 from __future__ import annotations
 
@@ -43,9 +44,25 @@ def _llama3() -> Any:
                       "original_max_position_embeddings": 64}))
 
 
+def _qwen3() -> Any:
+    import transformers
+
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False))
+
+
 # name -> (the transformers model, built with the vocabulary's size set by the caller; llama.cpp's pre-tokenizer)
-ARCHITECTURES: dict[str, Callable[[], Any]] = {"llama3": _llama3}
-PRE_TOKENIZERS = {"llama3": "llama-bpe"}
+ARCHITECTURES: dict[str, Callable[[], Any]] = {"llama3": _llama3, "qwen3": _qwen3}
+PRE_TOKENIZERS = {"llama3": "llama-bpe", "qwen3": "qwen2"}
+# The chat template each model's tokenizer carries (the converter copies it into the GGUF), written in the form
+# of the published models' templates with the turn markers the fixtures' vocabulary has. Qwen3's is ChatML;
+# with add_generation_prompt it opens the assistant's turn with an empty think block (thinking off).
+CHAT_TEMPLATES = {
+    "qwen3": ("{%- for message in messages %}"
+              "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+              "{%- endfor %}"
+              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{%- endif %}"),
+}
 
 
 def _vocab():
@@ -72,8 +89,14 @@ def save_checkpoint(name: str, directory: Path) -> Any:
     torch.manual_seed(0)
     model = ARCHITECTURES[name]()
     model.resize_token_embeddings(len(tokens))
+    with torch.no_grad():  # transformers starts norms at one (zero for Gemma's 1 + w): move them off it
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name:
+                parameter.add_(torch.randn(parameter.shape) * 0.3)
     model.eval()
     model.save_pretrained(directory)
+    if name in CHAT_TEMPLATES:
+        fast.chat_template = CHAT_TEMPLATES[name]
     fast.save_pretrained(directory)
     return model
 

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from edgetrain.models.gguf.writing import finish_gguf
+from edgetrain.models.decoders import architecture_names, architecture_of
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.registry import EdgetrainError
 from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 GGUF_DTYPES = {"f32": np.float32, "f16": np.float16}
 # Files of a Hugging Face checkpoint that describe its tokenizer, copied as they are when the model's
 # tokenizer came from such a directory.
@@ -62,8 +62,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _require_decoder(model: nn.Module) -> LlamaConfig:
     config = getattr(model, "config", None)
-    if not isinstance(config, LlamaConfig) or config.model_type not in HF_ARCHITECTURES:
-        raise MergeError(f"merging needs a llama or qwen2 decoder; got {type(model).__name__}")
+    if not isinstance(config, LlamaConfig) or config.model_type not in architecture_names():
+        raise MergeError(f"merging needs a decoder ({', '.join(architecture_names())}); got {type(model).__name__}")
     from edgetrain.models.quantized import PackedMatrix, TiedQuantizedHead
 
     packed = [name for name, module in model.named_modules() if isinstance(module, (PackedMatrix, TiedQuantizedHead))]
@@ -79,7 +79,7 @@ def hf_config_dict(config: LlamaConfig, dtype: torch.dtype, tokenizer: Any = Non
     from dataclasses import asdict
 
     raw = {key: value for key, value in asdict(config).items() if value is not None}
-    raw["architectures"] = [HF_ARCHITECTURES[config.model_type]]
+    raw["architectures"] = [architecture_of(config).hf_class]
     raw["torch_dtype"] = str(dtype).removeprefix("torch.")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, name, None)

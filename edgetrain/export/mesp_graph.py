@@ -260,10 +260,13 @@ class BlockLayout:
     head_dim: int
     attention_chunk: int
     mlp_chunk: int
+    head_norms: bool = False  # Qwen3's RMSNorms over each head's q and k, inputs after the two block norms
 
     def frozen_names(self) -> list[str]:
-        """Block-relative names of the frozen inputs, in order (after the two norms)."""
+        """Block-relative names of the frozen inputs, in order (the norms, then the projections)."""
         names = ["input_layernorm", "post_attention_layernorm"]
+        if self.head_norms:
+            names += ["self_attn.q_norm", "self_attn.k_norm"]
         for projection in self.projections:
             names += [f"{projection.name}.{part}" for part in projection.matrix.parts]
             if projection.has_bias:
@@ -288,6 +291,7 @@ class BlockLayout:
     def weights(self, adapters: torch.Tensor, frozen: tuple[torch.Tensor, ...]) -> BlockWeights:
         inputs = iter(frozen)
         input_norm, post_attention_norm = next(inputs), next(inputs)
+        q_norm, k_norm = (next(inputs), next(inputs)) if self.head_norms else (None, None)
         adapter_views: dict[tuple[str, str], torch.Tensor] = {
             (name, part): adapters[offset:offset + shape[0] * shape[1]].view(shape)
             for name, part, offset, shape in self.adapter_slices()}
@@ -300,7 +304,7 @@ class BlockLayout:
                 dense, bias, adapter_views.get((projection.name, "lora_A")),
                 adapter_views.get((projection.name, "lora_B")), projection.scale, packed=packed)
         return BlockWeights(input_norm, post_attention_norm, self.eps, linears, self.num_heads, self.num_kv_heads,
-                            self.head_dim)
+                            self.head_dim, q_norm, k_norm)
 
 
 class EmbedPiece(nn.Module):

@@ -210,10 +210,12 @@ def _block_layout(model: nn.Module, config: MeSPConfig) -> tuple[BlockLayout, li
         projections.append(ProjectionLayout(name, per_projection[name][0][0], biases.pop(), ranks.pop(),
                                             scales.pop()))
     layout = BlockLayout(tuple(projections), first.eps, first.num_heads, first.num_kv_heads, first.head_dim,
-                         config.attention_chunk, config.mlp_chunk)
+                         config.attention_chunk, config.mlp_chunk, head_norms=first.q_norm is not None)
     frozen = []
     for index, block in enumerate(blocks):
-        tensors = [block.input_layernorm.weight.detach(), block.post_attention_layernorm.weight.detach()]
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["self_attn.q_norm", "self_attn.k_norm"] if layout.head_norms else []
+        tensors = [block.get_submodule(name).weight.detach() for name in norms]
         for projection in projections:
             tensors += per_projection[projection.name][index][1]
             bias = _frozen_module(block, projection.name).bias
@@ -344,6 +346,7 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
                           "hidden_size": shape.hidden, "vocab_size": shape.vocab},
                 "embed": embed_format.to_json(), "head": head_format.to_json(),
                 "block": {"frozen": frozen_names, "eps": layout.eps, "heads": layout.num_heads,
+                          "head_norms": layout.head_norms,
                           "kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
                           "projections": [{"name": p.name, "rank": p.rank, "scale": p.scale, "bias": p.has_bias,
                                            **p.matrix.to_json()} for p in layout.projections],

@@ -24,9 +24,10 @@ def decoder_config(name_or_path: str | Path) -> LlamaConfig:
 
         return config_from_metadata(read_gguf(path))
     if path.is_dir():
+        from edgetrain.models.decoders import config_from_hf_dict
         from edgetrain.models.hf_checkpoint import read_config
 
-        return LlamaConfig.from_hf_dict(read_config(path))
+        return config_from_hf_dict(read_config(path), str(path / "config.json"))
     if text == "tiny":
         return tiny_config()
     if text in QWEN25_SHAPES:

@@ -1,6 +1,7 @@
 """Named decoder presets: published Qwen2.5 shapes (random init, for profiling without weights) and `tiny`."""
 from __future__ import annotations
 
+from edgetrain.models.decoders import architecture_names, config_from_hf_dict
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS
 
@@ -45,5 +46,5 @@ for _name in QWEN25_SHAPES:
 
 MODEL_PRESETS.add("tiny", lambda: _build(tiny_config()))
 
-for _model_type in ("llama", "qwen2"):
-    ARCHITECTURES.add(_model_type, lambda raw: LlamaModel(LlamaConfig.from_hf_dict(raw)))
+for _model_type in architecture_names():
+    ARCHITECTURES.add(_model_type, lambda raw: LlamaModel(config_from_hf_dict(raw)))

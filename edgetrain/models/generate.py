@@ -71,7 +71,7 @@ def block_cached(block: DecoderBlock, h: torch.Tensor, cache: KVCache, index: in
 
 def _require_decoder(model: nn.Module) -> None:
     if not is_block_decoder(model):
-        raise EdgetrainError(f"generation needs a decoder language model (llama/qwen2); got {type(model).__name__}")
+        raise EdgetrainError(f"generation needs a decoder language model (llama, qwen2, qwen3); got {type(model).__name__}")
 
 
 @torch.no_grad()

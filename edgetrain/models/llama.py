@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from edgetrain.models.decoder_registry import DecoderArchitecture, register_decoder
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.precision import compute_dtype
 
@@ -66,6 +67,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3)
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
@@ -96,7 +98,7 @@ class LlamaConfig:
         check("rms_norm_eps", _is_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "must be in (0, 1)")
         check("rope_theta", _is_number(self.rope_theta) and 1 < self.rope_theta < math.inf, "must be a finite number > 1")
         # A JSON string "false" is truthy: a flag must be a real boolean, or the model is silently wrong.
-        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings", "qk_norm"):
             check(name, isinstance(getattr(self, name), bool), "must be true or false")
         check("model_type", isinstance(self.model_type, str), "must be a string")
         if self.rope_scaling is not None:
@@ -109,13 +111,24 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
-        """Build from a Hugging Face config.json dict, ignoring keys this model does not use."""
+        """Build from a Hugging Face config.json dict, ignoring keys this model does not use. (An
+        architecture's fixed features come on top in edgetrain.models.decoders.config_from_hf_dict.)"""
+        return cls.from_values(cls.hf_values(raw))
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "LlamaConfig":
+        try:
+            return cls(**values)
+        except TypeError as exc:  # e.g. a string where a number belongs
+            raise ConfigError(f"config.json has a field of the wrong type: {exc}") from None
+
+    @classmethod
+    def hf_values(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """The fields of a Hugging Face config.json dict this config has, checked and normalised."""
         if not isinstance(raw, dict):
             raise ConfigError("config.json must hold a JSON object")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known and v is not None}
-        if raw.get("model_type") == "qwen2" and isinstance(values.get("attention_bias", True), bool):
-            values["attention_bias"] = True  # Qwen2 always has q/k/v bias; its config does not say so
         rope_params = raw.get("rope_parameters")
         if isinstance(rope_params, dict):  # newer transformers nest theta and scaling here
             values.setdefault("rope_theta", rope_params.get("rope_theta", cls.rope_theta))
@@ -135,10 +148,7 @@ class LlamaConfig:
         if missing:
             raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
         values.setdefault("num_key_value_heads", values["num_attention_heads"])
-        try:
-            return cls(**values)
-        except TypeError as exc:  # e.g. a string where a number belongs
-            raise ConfigError(f"config.json has a field of the wrong type: {exc}") from None
+        return values
 
 
 def rope_inverse_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -204,6 +214,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -211,6 +224,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq_len, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(cfg, seq_len, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # The fused CPU kernel has no forward-mode derivative; forward-gradient methods (fgd)
@@ -325,3 +340,8 @@ def edgetrain_key_to_hf(key: str) -> str:
         if key.startswith(our_prefix):
             return hf_prefix + key[len(our_prefix):]
     return key
+
+
+LLAMA = register_decoder(DecoderArchitecture("llama", LlamaConfig, "LlamaForCausalLM", gguf_permutes_qk=True))
+# Qwen2 always has q/k/v biases; its config.json does not say so.
+QWEN2 = register_decoder(DecoderArchitecture("qwen2", LlamaConfig, "Qwen2ForCausalLM", fixed={"attention_bias": True}))

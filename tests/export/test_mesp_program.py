@@ -406,3 +406,21 @@ def test_blocks_in_different_formats_share_one_exact_format_and_train_as_torch_m
     for name, ref in ref_adapters.items():
         change = float((ref - start[name].detach()).abs().max())
         assert float((adapters[name] - ref).abs().max()) <= 0.1 * change, name
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_todays_architectures_train_in_the_program_as_torch_mesp(name, tmp_path):
+    """Llama 3.x (its scaled RoPE goes in as the tables) and Qwen3 (its head norms over q and k are two more
+    frozen inputs of the one block program), from the GGUF files llama.cpp's converter made."""
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "arch" / f"{name}.gguf"
+    torch.manual_seed(0)
+    model = make_trainable(edgetrain.load_model(fixture), "lora", rank=4)
+    reference = copy.deepcopy(model)
+    program, weights = export_mesp_program(model, BATCH, SEQ, tmp_path / f"{name}.pte", delegate="none")
+    file = WeightsFile(weights)
+    assert ("blocks.1.self_attn.q_norm" in file) == (name == "qwen3")
+    loss_error, adapter_error, _, _ = _parity(program, weights, reference, 2)
+    assert loss_error <= TOLERANCE
+    assert adapter_error <= TOLERANCE

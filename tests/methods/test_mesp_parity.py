@@ -70,9 +70,11 @@ def assert_matches_bp(model: nn.Module, batch: Batch, grad_tol: float = 1e-5, **
 
 # -- one block, float64 ---------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qk-norm"])
 @pytest.mark.parametrize("store", [False, True])
-def test_block_forward_and_backward_match_autograd_on_the_module_in_float64(store):
-    model = with_lora(random_decoder(2, attention_bias=True, mlp_bias=True), targets=("q", "k", "o", "up", "down"))
+def test_block_forward_and_backward_match_autograd_on_the_module_in_float64(store, qk_norm):
+    model = with_lora(random_decoder(2, attention_bias=True, mlp_bias=True, qk_norm=qk_norm),
+                      targets=("q", "k", "o", "up", "down"))
     model.double()
     block = model.blocks[1]
     torch.manual_seed(0)
@@ -127,6 +129,23 @@ def test_untied_decoder_without_attention_bias_but_with_mlp_bias_matches_bp():
     model = with_lora(random_decoder(4, attention_bias=False, tie_word_embeddings=False, mlp_bias=True,
                                      num_attention_heads=4, num_key_value_heads=4, head_dim=12))
     assert_matches_bp(model, random_batch(97, seq_len=9), **RAGGED)
+
+
+def test_qwen3_head_norms_match_bp():
+    """Qwen3's RMSNorm over each head's q and k (before RoPE), with its own head size, no bias, untied."""
+    from edgetrain.models.qwen3 import Qwen3Config
+
+    torch.manual_seed(8)
+    model = LlamaModel(Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    model.init_weights(std=0.1, seed=8)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape) * 0.3)
+    assert model.blocks[0].self_attn.q_norm.weight.shape == (16,)
+    assert_matches_bp(with_lora(model), random_batch(97), **RAGGED)
+    assert_matches_bp(model, random_batch(97, seed=1))
 
 
 @pytest.mark.parametrize("targets", [("q", "v"), ("k", "o", "down"), ("gate",)])
@@ -257,7 +276,7 @@ def test_refuses_merged_adapters_and_lora_dropout(tiny_lora, text_batches):
         METHODS.get("mesp")(model).gradients(batch)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_checkpoint_saved_by_transformers_matches_bp(tmp_path, model_type):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -265,8 +284,10 @@ def test_checkpoint_saved_by_transformers_matches_bp(tmp_path, model_type):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if model_type == "llama":
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
-    else:
+    elif model_type == "qwen2":
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model = with_lora(edgetrain.load_model(tmp_path))
     assert_matches_bp(model, random_batch(97, batch=3, seq_len=13))

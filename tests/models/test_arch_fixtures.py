@@ -2,9 +2,12 @@
 tools/make_arch_fixtures.py): a checkpoint directory transformers saved and the GGUF llama.cpp's own
 converter made of it, with transformers' and llama.cpp's logits on fixed tokens.
 
+Every architecture: checkpoint and GGUF give transformers' logits (1e-5), the GGUF follows llama.cpp's, MLX
+gives the same, merges round-trip, and MeSP's gradients equal autograd's.
+
 Llama 3.x: its RoPE scaling reaches the GGUF only as `rope_freqs.weight`; the loader recovers the scaling
-from the factors, so the GGUF model equals the checkpoint's (logits within 1e-5 of transformers'), follows
-llama.cpp's, writes the scaling back into a merged checkpoint or GGUF, and MeSP's gradients stay exact."""
+from the factors and writes it back into a merged checkpoint or GGUF. Qwen3: head norms over q and k, a head
+size of its own, an untied head."""
 from __future__ import annotations
 
 import json
@@ -57,19 +60,43 @@ def test_llama3_checkpoint_and_gguf_give_transformers_logits():
     assert _relative(_logits(unscaled.eval()), expected) > 100 * RELATIVE
 
 
-def test_llama3_gguf_follows_llama_cpps_logits():
-    if "llama3.llama_cpp" not in STORED:
+ARCHITECTURES = sorted(MANIFEST["models"])
+
+
+def test_every_architecture_edgetrain_builds_has_a_fixture():
+    from edgetrain.models.decoders import architecture_names
+
+    built = {edgetrain.load_model(FIXTURES / MANIFEST["models"][name]["gguf"]).config.model_type
+             for name in ARCHITECTURES}
+    assert set(architecture_names()) - {"llama", "qwen2"} <= built  # llama/qwen2: tests/models/test_gguf.py
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_checkpoint_and_gguf_give_transformers_logits(name):
+    expected = STORED[f"{name}.transformers"]
+    checkpoint = edgetrain.load_model(FIXTURES / MANIFEST["models"][name]["checkpoint"])
+    from_gguf = edgetrain.load_model(FIXTURES / MANIFEST["models"][name]["gguf"])
+    assert checkpoint.config.model_type == from_gguf.config.model_type
+    assert _relative(_logits(checkpoint), expected) <= RELATIVE
+    assert _relative(_logits(from_gguf), expected) <= RELATIVE
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_gguf_follows_llama_cpps_logits(name):
+    if f"{name}.llama_cpp" not in STORED:
         pytest.skip("the fixtures were made without llama-cpp-python")
-    assert_follows_llama_cpp(_logits(edgetrain.load_model(FIXTURES / "llama3.gguf")), STORED["llama3.llama_cpp"],
-                             "llama3")
+    assert_follows_llama_cpp(_logits(edgetrain.load_model(FIXTURES / MANIFEST["models"][name]["gguf"])),
+                             STORED[f"{name}.llama_cpp"], name)
 
 
-def test_llama3_gguf_on_mlx_gives_torchs_logits():
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_gguf_and_checkpoint_on_mlx_give_transformers_logits(name):
     mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
-    from edgetrain.backends.mlx.gguf import load_gguf_mlx
 
-    got = np.array(load_gguf_mlx(FIXTURES / "llama3.gguf")(mx.array(np.array([TOKENS], dtype=np.int32))))[0]
-    assert _relative(got, STORED["llama3.transformers"]) <= RELATIVE
+    ids = mx.array(np.array([TOKENS], dtype=np.int32))
+    for source in ("gguf", "checkpoint"):
+        model = edgetrain.load_model(FIXTURES / MANIFEST["models"][name][source], backend="mlx")
+        assert _relative(np.array(model(ids))[0], STORED[f"{name}.transformers"]) <= RELATIVE, source
 
 
 def test_merging_writes_the_scaling_back(tmp_path):
@@ -83,9 +110,31 @@ def test_merging_writes_the_scaling_back(tmp_path):
         assert _relative(_logits(edgetrain.load_model(path)), STORED["llama3.transformers"]) <= RELATIVE
 
 
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_merged_exports_give_the_same_logits(tmp_path, name):
+    from edgetrain.export.merged import save_merged_gguf, save_merged_hf
+
+    source = FIXTURES / MANIFEST["models"][name]["gguf"]
+    model = edgetrain.load_model(source)
+    save_merged_gguf(model, source, tmp_path / "merged.gguf", dtype="f32")
+    save_merged_hf(model, tmp_path / "merged")
+    for path in (tmp_path / "merged.gguf", tmp_path / "merged"):
+        assert _relative(_logits(edgetrain.load_model(path)), STORED[f"{name}.transformers"]) <= RELATIVE, path
+    reference = transformers_model(tmp_path / "merged")
+    with torch.no_grad():
+        theirs = reference(torch.tensor([TOKENS])).logits[0].double().numpy()
+    assert _relative(theirs, STORED[f"{name}.transformers"]) <= RELATIVE
+
+
+def transformers_model(directory: Path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @pytest.mark.parametrize("method", ["mebp", "mesp"])
-def test_mesp_gradients_on_the_scaled_rope_equal_autograd(method):
-    model = edgetrain.load_model(FIXTURES / "llama3.gguf")
+def test_mesp_gradients_equal_autograd(method, name):
+    model = edgetrain.load_model(FIXTURES / MANIFEST["models"][name]["gguf"])
     torch.manual_seed(0)
     edgetrain.add_lora(model, rank=4)
     random_lora_b(model, seed=1, scale=0.02)

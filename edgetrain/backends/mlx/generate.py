@@ -64,7 +64,7 @@ def _block(block: DecoderBlock, h: mx.array, rope: tuple[mx.array, mx.array], ca
 
 def _require_decoder(model: Any) -> None:
     if not isinstance(model, MLXDecoder) or getattr(model, "task", None) != "lm":
-        raise EdgetrainError(f"generation needs a decoder language model (llama/qwen2); got {type(model).__name__}")
+        raise EdgetrainError(f"generation needs a decoder language model (llama, qwen2, qwen3); got {type(model).__name__}")
 
 
 def forward_cached(model: MLXDecoder, token_ids: mx.array, cache: MLXKVCache, *, last_only: bool = False) -> mx.array:

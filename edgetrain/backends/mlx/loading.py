@@ -2,11 +2,12 @@
 (edgetrain.backends.mlx.gguf), or copied from an edgetrain torch model.
 
 Checkpoint directories go through the same checks as the torch loader (edgetrain.models.hf_checkpoint):
-config.json validated by LlamaConfig.from_hf_dict, safetensors only, every tensor present with the
+config.json validated by edgetrain.models.decoders.config_from_hf_dict, safetensors only, every tensor present with the
 right shape, unknown tensors refused -- with the same error types.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from edgetrain.backends.mlx.quantize import DEFAULT_GROUP_SIZE, ComputeMode, qua
 from edgetrain.backends.mlx.weights import assign_weights, parse_mlx_dtype
 from edgetrain.models.hf_checkpoint import CheckpointError, read_config, safetensors_files
 from edgetrain.files.user import require_regular_file
-from edgetrain.models.llama import ConfigError, LlamaConfig
+from edgetrain.models.decoders import config_from_hf_dict
+from edgetrain.models.llama import LlamaConfig
 from edgetrain.registry import EdgetrainError
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -60,7 +62,7 @@ def build_random(config: LlamaConfig, *, dtype: str | mx.Dtype = "float32", seed
     if layers is not None:
         if not 0 < layers <= config.num_hidden_layers:
             raise EdgetrainError(f"layers={layers}: the model has {config.num_hidden_layers} blocks")
-        config = LlamaConfig(**{**config.__dict__, "num_hidden_layers": layers})
+        config = replace(config, num_hidden_layers=layers)
     mx.random.seed(seed)
     # MLX arrays are lazy: the constructor's own random weights are replaced before anything
     # evaluates them, so they never take memory.
@@ -116,10 +118,7 @@ def load_checkpoint_dir(directory: str | Path, dtype: str | mx.Dtype = "float32"
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     raw = read_config(directory)
-    if raw.get("model_type") not in ("llama", "qwen2"):
-        raise ConfigError(f"{directory / 'config.json'}: unsupported model_type {raw.get('model_type')!r}; "
-                          "the MLX backend runs: llama, qwen2")
-    config = LlamaConfig.from_hf_dict(raw)
+    config = config_from_hf_dict(raw, str(directory / "config.json"))
     target = parse_mlx_dtype(dtype)
     tensors: dict[str, mx.array] = {}
     for path in safetensors_files(directory):

@@ -72,11 +72,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
         self.o_proj = nn.Linear(nh * hd, config.hidden_size, bias=False)
+        if config.qk_norm:  # Qwen3: an RMSNorm over each head's query and key before RoPE
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
     def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array]) -> mx.array:
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self.q_proj(x).reshape(batch, seq_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         cos, sin = rope
         out = causal_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)

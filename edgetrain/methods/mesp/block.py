@@ -71,19 +71,24 @@ class BlockWeights:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # RMSNorm weights over each head's query and key before RoPE (Qwen3); None where the model has none.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
     @classmethod
     def from_block(cls, block: nn.Module, where: str = "block") -> "BlockWeights":
         if not isinstance(block, DecoderBlock):
             raise EdgetrainError(f"{where} is a {type(block).__name__}, not a DecoderBlock")
         config: LlamaConfig = block.self_attn.config
-        norms = (block.input_layernorm, block.post_attention_layernorm)
-        if norms[0].eps != norms[1].eps:
-            raise EdgetrainError(f"{where}: its two RMSNorms use different eps")
+        head_norms = [getattr(block.self_attn, name, None) for name in ("q_norm", "k_norm")]
+        norms = [block.input_layernorm, block.post_attention_layernorm, *(n for n in head_norms if n is not None)]
+        if len({norm.eps for norm in norms}) > 1:
+            raise EdgetrainError(f"{where}: its RMSNorms use different eps")
         linears = {name: linear_weights(block.get_submodule(LORA_TARGETS[name]), f"{where}.{LORA_TARGETS[name]}")
                    for name in PROJECTIONS}
+        q_norm, k_norm = (None if n is None else n.weight.detach() for n in head_norms)
         return cls(norms[0].weight.detach(), norms[1].weight.detach(), float(norms[0].eps), linears,
-                   config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+                   config.num_attention_heads, config.num_key_value_heads, config.head_dim, q_norm, k_norm)
 
     def lora_parameter_names(self) -> list[str]:
         """Block-relative names of the adapter parameters, as block.named_parameters() spells them."""
@@ -106,23 +111,30 @@ def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq
                     rope: tuple[torch.Tensor, torch.Tensor], attention_chunk: int, kept_output: bool = False
                     ) -> tuple[torch.Tensor, ...]:
     """x -> (q, k, v after RoPE, attention output o [B, H, T, hd], its [B*T, H*hd] view,
-    h1 = x + o_proj(o) flat, and the LoRA projections of q/k/v and o). kept_output: h1 becomes the block's
-    output, stored for the backward, so it is not one of the step's reused buffers (step_buffers.py)."""
+    h1 = x + o_proj(o) flat, the LoRA projections of q/k/v and o, and q, k before their head norms
+    [B, T, H, hd], None without head norms). kept_output: h1 becomes the block's output, stored for the
+    backward, so it is not one of the step's reused buffers (step_buffers.py)."""
     lin = weights.linears
     heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
     cos, sin = rope
     normed = rms_norm_forward(flat_x, weights.input_norm, weights.eps)
     (q, k, v), qkv_projection = linear_group_forward(normed, [lin["q"], lin["k"], lin["v"]])
     del normed
-    q = rope_forward(q.view(batch, seq_len, heads, head_dim).transpose(1, 2), cos, sin)
-    k = rope_forward(k.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2), cos, sin)
+    q, k = q.view(batch, seq_len, heads, head_dim), k.view(batch, seq_len, kv_heads, head_dim)
+    q_raw = k_raw = None
+    if weights.q_norm is not None:  # the norms' backward reads their inputs: q and k as projected
+        q_raw, k_raw = q, k
+        q = rms_norm_forward(q, weights.q_norm, weights.eps)
+        k = rms_norm_forward(k, weights.k_norm, weights.eps)
+    q = rope_forward(q.transpose(1, 2), cos, sin)
+    k = rope_forward(k.transpose(1, 2), cos, sin)
     v = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
     attention = causal_attention_forward(q, k, v, attention_chunk)
     attention_flat = attention.transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
     with fresh_allocations() if kept_output and not torch.compiler.is_compiling() else nullcontext():
         (h1,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
     h1.add_(flat_x)
-    return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection
+    return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw
 
 
 def block_forward(weights: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
@@ -183,7 +195,7 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
     if not overwrite_grad_out:  # (a copy too many where reshape already copied: only for a strided grad_out)
         flat_grad = flat_grad.clone()
 
-    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection = _attention_half(
+    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw = _attention_half(
         weights, flat_x, batch, seq_len, rope, attention_chunk)
     if not store_lora_projection:
         qkv_projection = o_projection = None
@@ -217,8 +229,14 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
     grad_attention = grad_attention_flat.view(batch, seq_len, heads, head_dim).transpose(1, 2)
     grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk)
     del q, k, v, attention, grad_attention, grad_attention_flat
-    grad_q = rope_backward(grad_q, cos, sin).transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
-    grad_k = rope_backward(grad_k, cos, sin).transpose(1, 2).reshape(batch * seq_len, kv_heads * head_dim)
+    grad_q = rope_backward(grad_q, cos, sin).transpose(1, 2)
+    grad_k = rope_backward(grad_k, cos, sin).transpose(1, 2)
+    if weights.q_norm is not None:
+        grad_q = rms_norm_backward(q_raw, weights.q_norm, weights.eps, grad_q)
+        grad_k = rms_norm_backward(k_raw, weights.k_norm, weights.eps, grad_k)
+    del q_raw, k_raw
+    grad_q = grad_q.reshape(batch * seq_len, heads * head_dim)
+    grad_k = grad_k.reshape(batch * seq_len, kv_heads * head_dim)
     grad_v = grad_v.transpose(1, 2).reshape(batch * seq_len, kv_heads * head_dim)
     # The input norm's output is recomputed (one cheap pass over x) rather than held through the MLP.
     normed = rms_norm_forward(flat_x, weights.input_norm, weights.eps)

@@ -1,4 +1,4 @@
-"""A GGUF file's metadata -> LlamaConfig (llama and qwen2 architectures).
+"""A GGUF file's metadata -> the config of its decoder architecture (edgetrain.models.decoders).
 
 llama.cpp names hyper-parameters `{architecture}.{name}`; which of them a loader needs and their
 defaults follow llama.cpp's own loader (head_count_kv defaults to head_count, freq_base to 10000).
@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, StringArray
+from edgetrain.models.decoders import architecture_names, decoder_architecture
 from edgetrain.models.llama import ConfigError, LlamaConfig
 
 # LlamaConfig field -> the GGUF key (after "{arch}.") it came from, to name the key in a config error.
@@ -18,8 +19,6 @@ _FIELD_KEYS = {"vocab_size": "vocab_size (rows of token_embd.weight)", "hidden_s
                "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
                "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
                "rope_theta": "rope.freq_base", "max_position_embeddings": "context_length"}
-# GGUF architecture -> whether its q/k/v projections carry a bias (the LlamaConfig model_type is the same name).
-SUPPORTED_ARCHITECTURES = {"llama": False, "qwen2": True}
 
 
 def _describe(value: Any) -> str:
@@ -64,9 +63,9 @@ def metadata_str(gguf: GGUFFile, key: str, default: str | None = None) -> str:
 
 def architecture(gguf: GGUFFile) -> str:
     arch = metadata_str(gguf, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in architecture_names():
         raise GGUFError(f"{gguf.path}: general.architecture {arch!r} is not supported; edgetrain loads GGUF "
-                        f"models of architecture {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+                        f"models of architecture {', '.join(architecture_names())}")
     return arch
 
 
@@ -149,7 +148,7 @@ def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
     theta = metadata_float(gguf, f"{arch}.rope.freq_base", 10000.0)
     rope_scaling = _rope_scaling(gguf, theta, head_dim)
     try:
-        return LlamaConfig(
+        return decoder_architecture(arch).config(
             vocab_size=_vocab_size(gguf, arch),
             hidden_size=hidden,
             intermediate_size=metadata_int(gguf, f"{arch}.feed_forward_length"),
@@ -160,10 +159,8 @@ def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
             rms_norm_eps=metadata_float(gguf, f"{arch}.attention.layer_norm_rms_epsilon"),
             rope_theta=theta,
             rope_scaling=rope_scaling,
-            attention_bias=SUPPORTED_ARCHITECTURES[arch],
             tie_word_embeddings="output.weight" not in gguf.tensors,
             max_position_embeddings=metadata_int(gguf, f"{arch}.context_length"),
-            model_type=arch,
         )
     except ConfigError as exc:
         field = str(exc).split("'")[1] if str(exc).count("'") >= 2 else ""

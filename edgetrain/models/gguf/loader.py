@@ -22,6 +22,7 @@ from edgetrain.models.gguf.config import CONFIG_TENSORS, config_from_metadata, m
 from edgetrain.models.gguf.dequant import DEQUANTIZERS, SUPPORTED_TYPE_NAMES, dequantize
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, TensorInfo, read_gguf
 from edgetrain.models.gguf.tokenizer import SUPPORTED_TOKENIZER_MODELS, GGUFTokenizer, gguf_tokenizer
+from edgetrain.models.decoders import architecture_of
 from edgetrain.models.hf_checkpoint import load_weights
 from edgetrain.models.llama import LlamaConfig, LlamaModel
 from edgetrain.utils.logs import get_logger
@@ -35,6 +36,7 @@ _GLOBAL_TENSORS = {"token_embd.weight": "embed.embed_tokens.weight", "output_nor
                    "output.weight": "head.lm_head.weight"}
 BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                   "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                   "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                   "ffn_down": "mlp.down_proj"}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
@@ -68,7 +70,7 @@ def permute_rope_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 
 def rope_heads(config: LlamaConfig, gguf_name: str) -> int | None:
     """Heads whose rows to unpermute for this tensor, or None: only llama's Q and K are permuted."""
-    if config.model_type != "llama":
+    if not architecture_of(config).gguf_permutes_qk:
         return None
     if ".attn_q." in gguf_name:
         return config.num_attention_heads

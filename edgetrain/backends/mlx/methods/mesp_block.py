@@ -60,19 +60,23 @@ class BlockWeights:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    q_norm: mx.array | None = None  # Qwen3's head norms over q and k before RoPE; None where there are none
+    k_norm: mx.array | None = None
 
     @classmethod
     def from_block(cls, block: nn.Module, where: str = "block") -> "BlockWeights":
         if not isinstance(block, DecoderBlock):
             raise EdgetrainError(f"{where} is a {type(block).__name__}, not an MLX DecoderBlock")
-        norms = (block.input_layernorm, block.post_attention_layernorm)
-        if norms[0].eps != norms[1].eps:
-            raise EdgetrainError(f"{where}: its two RMSNorms use different eps")
+        attn = block.self_attn
+        head_norms = [attn[name] if name in attn else None for name in ("q_norm", "k_norm")]
+        norms = [block.input_layernorm, block.post_attention_layernorm, *(n for n in head_norms if n is not None)]
+        if len({norm.eps for norm in norms}) > 1:
+            raise EdgetrainError(f"{where}: its RMSNorms use different eps")
         linears = {name: linear_weights(_module_at(block, LORA_TARGETS[name]), f"{where}.{LORA_TARGETS[name]}")
                    for name in PROJECTIONS}
-        attn = block.self_attn
+        q_norm, k_norm = (None if n is None else n.weight for n in head_norms)
         return cls(norms[0].weight, norms[1].weight, float(norms[0].eps), linears,
-                   attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                   attn.num_heads, attn.num_kv_heads, attn.head_dim, q_norm, k_norm)
 
 
 def _check_chunk(name: str, value: int) -> None:
@@ -83,19 +87,25 @@ def _check_chunk(name: str, value: int) -> None:
 def _attention_half(weights: BlockWeights, flat_x: mx.array, batch: int, seq_len: int,
                     rope: tuple[mx.array, mx.array], attention_chunk: int) -> tuple:
     """x -> (q, k, v after RoPE, attention o [B, H, T, hd], o as [N, H*hd], h1 = x + o_proj(o), the
-    LoRA projections of q/k/v and of o)."""
+    LoRA projections of q/k/v and of o, q and k before their head norms [B, T, H, hd] or None)."""
     lin = weights.linears
     heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
     cos, sin = rope
     normed = rms_norm_forward(flat_x, weights.input_norm, weights.eps)
     (q, k, v), qkv_projection = linear_group_forward(normed, [lin["q"], lin["k"], lin["v"]])
-    q = rope_forward(q.reshape(batch, seq_len, heads, head_dim).transpose(0, 2, 1, 3), cos, sin)
-    k = rope_forward(k.reshape(batch, seq_len, kv_heads, head_dim).transpose(0, 2, 1, 3), cos, sin)
+    q, k = q.reshape(batch, seq_len, heads, head_dim), k.reshape(batch, seq_len, kv_heads, head_dim)
+    q_raw = k_raw = None
+    if weights.q_norm is not None:  # the norms' backward reads their inputs: q and k as projected
+        q_raw, k_raw = q, k
+        q = rms_norm_forward(q, weights.q_norm, weights.eps)
+        k = rms_norm_forward(k, weights.k_norm, weights.eps)
+    q = rope_forward(q.transpose(0, 2, 1, 3), cos, sin)
+    k = rope_forward(k.transpose(0, 2, 1, 3), cos, sin)
     v = v.reshape(batch, seq_len, kv_heads, head_dim).transpose(0, 2, 1, 3)
     attention = causal_attention_forward(q, k, v, attention_chunk)
     attention_flat = attention.transpose(0, 2, 1, 3).reshape(batch * seq_len, heads * head_dim)
     (o,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
-    return q, k, v, attention, attention_flat, flat_x + o, qkv_projection, o_projection
+    return q, k, v, attention, attention_flat, flat_x + o, qkv_projection, o_projection, q_raw, k_raw
 
 
 def _mlp_forward(weights: BlockWeights, h1_chunk: mx.array) -> mx.array:
@@ -152,11 +162,12 @@ def block_backward(weights: BlockWeights, x: mx.array, grad_out: mx.array, rope:
 
     flat_x = x.reshape(batch * seq_len, dim)
     flat_grad = grad_out.reshape(batch * seq_len, dim)
-    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection = _attention_half(
+    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw = _attention_half(
         weights, flat_x, batch, seq_len, rope, attention_chunk)
     if not store_lora_projection:
         qkv_projection = o_projection = None
-    evaluate(q, k, v, attention, attention_flat, h1, *[p for p in (qkv_projection, o_projection) if p is not None])
+    evaluate(q, k, v, attention, attention_flat, h1,
+             *[p for p in (qkv_projection, o_projection, q_raw, k_raw) if p is not None])
 
     grad_h1_chunks = []
     for start in range(0, h1.shape[0], mlp_chunk):
@@ -185,8 +196,14 @@ def block_backward(weights: BlockWeights, x: mx.array, grad_out: mx.array, rope:
     grad_attention = grad_attention_flat.reshape(batch, seq_len, heads, head_dim).transpose(0, 2, 1, 3)
     grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk)
     del q, k, v, attention, grad_attention, grad_attention_flat
-    grad_q = rope_backward(grad_q, cos, sin).transpose(0, 2, 1, 3).reshape(batch * seq_len, heads * head_dim)
-    grad_k = rope_backward(grad_k, cos, sin).transpose(0, 2, 1, 3).reshape(batch * seq_len, kv_heads * head_dim)
+    grad_q = rope_backward(grad_q, cos, sin).transpose(0, 2, 1, 3)
+    grad_k = rope_backward(grad_k, cos, sin).transpose(0, 2, 1, 3)
+    if weights.q_norm is not None:
+        grad_q = rms_norm_backward(q_raw, weights.q_norm, weights.eps, grad_q)
+        grad_k = rms_norm_backward(k_raw, weights.k_norm, weights.eps, grad_k)
+    del q_raw, k_raw
+    grad_q = grad_q.reshape(batch * seq_len, heads * head_dim)
+    grad_k = grad_k.reshape(batch * seq_len, kv_heads * head_dim)
     grad_v = grad_v.transpose(0, 2, 1, 3).reshape(batch * seq_len, kv_heads * head_dim)
     # The input norm's output is recomputed (one cheap pass over x) rather than held through the MLP.
     normed = rms_norm_forward(flat_x, weights.input_norm, weights.eps)
