@@ -133,12 +133,44 @@ def fixture_tokens() -> list[int]:
     return [int(t) for t in rng.integers(0, len(_vocab()[0]), TOKENS)]
 
 
-def llama_cpp_logits(path: Path, ids: list[int]) -> np.ndarray | None:
+def fixture_adapter(gguf_path: Path) -> Any:
+    """The fixture's model from its GGUF with a LoRA adapter on every projection (seeded, B drawn large enough
+    to move the logits): what the adapter fixtures are written from, and what the tests make again."""
+    import torch
+
+    import edgetrain
+
+    model = edgetrain.load_model(gguf_path)
+    torch.manual_seed(1)
+    edgetrain.add_lora(model, rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model
+
+
+def write_fixture_adapter(model: Any, out: Path) -> Path:
+    """The adapter as llama.cpp's LoRA GGUF (edgetrain's writer: what llama.cpp's logits with it check)."""
+    import tempfile
+
+    import edgetrain
+    from edgetrain.adapters.convert import convert_adapter
+
+    with tempfile.TemporaryDirectory() as scratch:
+        saved = edgetrain.save_lora(model, Path(scratch) / "adapter.safetensors")
+        return convert_adapter(saved, out, "gguf", base_config=model.config)
+
+
+def llama_cpp_logits(path: Path, ids: list[int], lora: Path | None = None) -> np.ndarray | None:
     try:
         import llama_cpp
     except ImportError:
         return None
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0)
+    options = {"lora_path": str(lora)} if lora is not None else {}
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0,
+                          **options)
     llm.eval(ids)
     logits = np.array(llm.scores[:len(ids)], dtype=np.float32)
     llm.close()
@@ -162,7 +194,15 @@ def make(out: Path, source: Path) -> dict:
         theirs = llama_cpp_logits(gguf_path, ids)
         if theirs is not None:
             logits[f"{name}.llama_cpp"] = theirs
-        manifest["models"][name] = {"checkpoint": name, "gguf": gguf_path.name, "llama_cpp": theirs is not None}
+        adapted = fixture_adapter(gguf_path)
+        lora_path = write_fixture_adapter(adapted, out / f"{name}.lora.gguf")
+        with torch.no_grad():
+            logits[f"{name}.edgetrain_lora"] = adapted(torch.tensor([ids]))[0].float().numpy()
+        theirs_lora = llama_cpp_logits(gguf_path, ids, lora_path)
+        if theirs_lora is not None:
+            logits[f"{name}.llama_cpp_lora"] = theirs_lora
+        manifest["models"][name] = {"checkpoint": name, "gguf": gguf_path.name, "llama_cpp": theirs is not None,
+                                    "lora": lora_path.name}
         print(f"{name}: {checkpoint.name}/ and {gguf_path.name} ({gguf_path.stat().st_size / 1024:.0f} KiB)")
     np.savez_compressed(out / "logits.npz", tokens=np.array(ids, dtype=np.int32), **logits)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
