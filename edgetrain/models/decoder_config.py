@@ -11,7 +11,7 @@ from edgetrain.registry import EdgetrainError
 def decoder_config(name_or_path: str | Path) -> LlamaConfig:
     """The LlamaConfig of a decoder preset, pretrained name (fetched once), checkpoint directory or GGUF
     file; reads only metadata (config.json, the GGUF header), never the weights."""
-    from edgetrain.models.decoder_presets import QWEN25_SHAPES, qwen25_config, tiny_config
+    from edgetrain.models.decoder_presets import DECODER_PRESETS, preset_config
     from edgetrain.models.downloads import DOWNLOADS, fetch
 
     text = str(name_or_path)
@@ -28,9 +28,8 @@ def decoder_config(name_or_path: str | Path) -> LlamaConfig:
         from edgetrain.models.hf_checkpoint import read_config
 
         return config_from_hf_dict(read_config(path), str(path / "config.json"))
-    if text == "tiny":
-        return tiny_config()
-    if text in QWEN25_SHAPES:
-        return qwen25_config(text)
+    preset = preset_config(text)
+    if preset is not None:
+        return preset
     raise EdgetrainError(f"{text!r} is not a decoder: not a GGUF file, checkpoint directory, pretrained name "
-                         f"or decoder preset (tiny, {', '.join(QWEN25_SHAPES)})")
+                         f"or decoder preset ({', '.join(DECODER_PRESETS)})")

@@ -1,8 +1,13 @@
-"""Named decoder presets: published Qwen2.5 shapes (random init, for profiling without weights) and `tiny`."""
+"""Named decoder presets: published shapes of real models (random init, for profiling and benchmarks without
+weights: Qwen2.5, Qwen3, Llama 3.2) and `tiny`. DECODER_PRESETS maps each name to its config."""
 from __future__ import annotations
+
+from functools import partial
+from typing import Callable
 
 from edgetrain.models.decoders import architecture_names, config_from_hf_dict
 from edgetrain.models.llama import LlamaConfig, LlamaModel
+from edgetrain.models.qwen3 import Qwen3Config
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS
 
 # From the Qwen2.5 config.json files published with the weights.
@@ -22,6 +27,19 @@ def qwen25_config(name: str) -> LlamaConfig:
                        **QWEN25_SHAPES[name])
 
 
+def qwen3_config(name: str) -> LlamaConfig:
+    return Qwen3Config(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                       max_position_embeddings=40960, **QWEN3_SHAPES[name])
+
+
+def llama32_config(name: str) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                       max_position_embeddings=131072, model_type="llama",
+                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                       **LLAMA32_SHAPES[name])
+
+
 def tiny_config() -> LlamaConfig:
     """Small enough for tests and the default demo, but with every feature of the real shapes:
     GQA (4 query heads over 2 KV heads), q/k/v bias, tied embeddings, byte-level vocab."""
@@ -31,20 +49,41 @@ def tiny_config() -> LlamaConfig:
                        model_type="qwen2")
 
 
+# From the Qwen3 and Llama 3.2 config.json files published with the weights.
+QWEN3_SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+}
+LLAMA32_SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128),
+}
+DECODER_PRESETS: dict[str, Callable[[], LlamaConfig]] = {
+    "tiny": tiny_config,
+    **{name: partial(qwen25_config, name) for name in QWEN25_SHAPES},
+    **{name: partial(qwen3_config, name) for name in QWEN3_SHAPES},
+    **{name: partial(llama32_config, name) for name in LLAMA32_SHAPES},
+}
+
+
+def preset_config(name: str) -> LlamaConfig | None:
+    """The config of decoder preset `name`, or None when no preset has that name."""
+    build = DECODER_PRESETS.get(name)
+    return build() if build else None
+
+
 def _build(config: LlamaConfig) -> LlamaModel:
     model = LlamaModel(config)
     model.init_weights()
     return model
 
 
-def _register_qwen(name: str) -> None:
-    MODEL_PRESETS.add(name, lambda: _build(qwen25_config(name)))
-
-
-for _name in QWEN25_SHAPES:
-    _register_qwen(_name)
-
-MODEL_PRESETS.add("tiny", lambda: _build(tiny_config()))
+for _name, _config in DECODER_PRESETS.items():
+    MODEL_PRESETS.add(_name, partial(lambda config: _build(config()), _config))
 
 for _model_type in architecture_names():
     ARCHITECTURES.add(_model_type, lambda raw: LlamaModel(config_from_hf_dict(raw)))

@@ -134,3 +134,17 @@ def test_presets_have_published_shapes():
         model = edgetrain.models.LlamaModel(config)
     # Qwen2.5-0.5B: 494,032,768 parameters with the tied embedding counted once.
     assert sum(p.numel() for p in model.parameters()) == 494_032_768
+
+
+@pytest.mark.parametrize("name, parameters, model_type", [
+    ("qwen3-0.6b", 596_049_920, "qwen3"),     # Qwen3-0.6B's published count (tied embedding once)
+    ("llama-3.2-1b", 1_235_814_400, "llama"),  # Llama-3.2-1B's
+])
+def test_todays_presets_have_published_shapes(name, parameters, model_type):
+    from edgetrain.models.decoder_config import decoder_config
+
+    config = decoder_config(name)
+    with torch.device("meta"):
+        model = edgetrain.models.LlamaModel(config)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert config.model_type == model_type

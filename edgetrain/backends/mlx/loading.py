@@ -29,15 +29,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def preset_config(name: str) -> LlamaConfig:
-    """The LlamaConfig of a decoder preset (the torch presets' shapes: tiny, qwen2.5-*)."""
-    from edgetrain.models.decoder_presets import QWEN25_SHAPES, qwen25_config, tiny_config
+    """The config of a decoder preset (the torch presets' shapes: edgetrain.models.decoder_presets)."""
+    from edgetrain.models.decoder_presets import DECODER_PRESETS
+    from edgetrain.models.decoder_presets import preset_config as decoder_preset
 
-    if name == "tiny":
-        return tiny_config()
-    if name in QWEN25_SHAPES:
-        return qwen25_config(name)
-    raise EdgetrainError(f"unknown MLX model {name!r}: not a directory and not a decoder preset; "
-                         f"known presets: tiny, {', '.join(QWEN25_SHAPES)}")
+    config = decoder_preset(name)
+    if config is None:
+        raise EdgetrainError(f"unknown MLX model {name!r}: not a directory and not a decoder preset; "
+                             f"known presets: {', '.join(DECODER_PRESETS)}")
+    return config
 
 
 def _init_block(block: nn.Module, std: float, dtype: mx.Dtype) -> None:

@@ -116,18 +116,13 @@ def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq
     backward, so it is not one of the step's reused buffers (step_buffers.py)."""
     lin = weights.linears
     heads, kv_heads, head_dim = weights.num_heads, weights.num_kv_heads, weights.head_dim
-    cos, sin = rope
     normed = rms_norm_forward(flat_x, weights.input_norm, weights.eps)
     (q, k, v), qkv_projection = linear_group_forward(normed, [lin["q"], lin["k"], lin["v"]])
     del normed
     q, k = q.view(batch, seq_len, heads, head_dim), k.view(batch, seq_len, kv_heads, head_dim)
-    q_raw = k_raw = None
-    if weights.q_norm is not None:  # the norms' backward reads their inputs: q and k as projected
-        q_raw, k_raw = q, k
-        q = rms_norm_forward(q, weights.q_norm, weights.eps)
-        k = rms_norm_forward(k, weights.k_norm, weights.eps)
-    q = rope_forward(q.transpose(1, 2), cos, sin)
-    k = rope_forward(k.transpose(1, 2), cos, sin)
+    # With head norms, their backward reads their inputs: q and k as projected, kept.
+    q_raw, k_raw = (q, k) if weights.q_norm is not None else (None, None)
+    q, k = _head_norms_and_rope(weights, q, k, rope)
     v = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
     attention = causal_attention_forward(q, k, v, attention_chunk)
     attention_flat = attention.transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
@@ -135,6 +130,17 @@ def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq
         (h1,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
     h1.add_(flat_x)
     return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw
+
+
+def _head_norms_and_rope(weights: BlockWeights, q: torch.Tensor, k: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, H, hd] and k as projected -> q, k [B, H, T, hd] as attention reads them: the head norms
+    (where the model has them), then RoPE."""
+    cos, sin = rope
+    if weights.q_norm is not None:
+        q = rms_norm_forward(q, weights.q_norm, weights.eps)
+        k = rms_norm_forward(k, weights.k_norm, weights.eps)
+    return rope_forward(q.transpose(1, 2), cos, sin), rope_forward(k.transpose(1, 2), cos, sin)
 
 
 def block_forward(weights: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *,
@@ -199,6 +205,8 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
         weights, flat_x, batch, seq_len, rope, attention_chunk)
     if not store_lora_projection:
         qkv_projection = o_projection = None
+    if q_raw is not None:  # q and k as projected are kept instead; the normed, rotated ones come back below
+        del q, k
 
     for start in range(0, h1.shape[0], mlp_chunk):
         h1_chunk, grad_chunk = h1[start:start + mlp_chunk], flat_grad[start:start + mlp_chunk]
@@ -227,6 +235,8 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
                                                 projection=o_projection)
     del attention_flat, o_projection
     grad_attention = grad_attention_flat.view(batch, seq_len, heads, head_dim).transpose(1, 2)
+    if q_raw is not None:
+        q, k = _head_norms_and_rope(weights, q_raw, k_raw, rope)
     grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk)
     del q, k, v, attention, grad_attention, grad_attention_flat
     grad_q = rope_backward(grad_q, cos, sin).transpose(1, 2)
