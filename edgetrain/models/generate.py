@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgetrain.backends.base import text_functions_for
 from edgetrain.data.batch import Batch
 from edgetrain.data.chat_prompt import ends_with, generation_prompt
 from edgetrain.data.chat_template import Message
-from edgetrain.models.llama import Attention, DecoderBlock, apply_rope, rope_cos_sin
+from edgetrain.models.llama import Attention, DecoderBlock
 from edgetrain.models.token_loss import is_block_decoder, summed_token_loss
 from edgetrain.registry import EdgetrainError
 
@@ -44,29 +43,23 @@ def attend(attention: Attention, x: torch.Tensor, cache: KVCache, index: int, st
            visible: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `x` (the positions after the cache's) over the cache and itself; the cache grows by x.
     `visible`: which keys each query sees, broadcastable to [batch, heads, steps, keys] (default causal)."""
-    cfg = attention.config
     batch, steps, _ = x.shape
-    q = attention.q_proj(x).view(batch, steps, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-    k = attention.k_proj(x).view(batch, steps, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-    v = attention.v_proj(x).view(batch, steps, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-    cos, sin = rope_cos_sin(cfg, start + steps, x.device, q.dtype)
-    q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+    q, k, v = attention.queries_keys_values(x, start)
     if cache.keys[index] is not None:
         k = torch.cat([cache.keys[index], k], dim=2)
         v = torch.cat([cache.values[index], v], dim=2)
     cache.keys[index], cache.values[index] = k, v
-    if visible is None:  # query i (position start + i) sees keys 0 .. start + i
-        visible = torch.arange(start + steps, device=x.device)[None, :] <= torch.arange(start, start + steps,
-                                                                                          device=x.device)[:, None]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=cfg.kv_groups > 1)
+    # Query i (position start + i) sees keys 0 .. start + i, within the layer's sliding window.
+    causal = attention.visible(start, steps, start + steps, x.device)
+    out = attention.attend(q, k, v, causal if visible is None else visible & causal)
     return attention.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
 
 def block_cached(block: DecoderBlock, h: torch.Tensor, cache: KVCache, index: int, start: int,
                  visible: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder block over the positions after the cache's (`visible` as attend takes it)."""
-    h = h + attend(block.self_attn, block.input_layernorm(h), cache, index, start, visible)
-    return h + block.mlp(block.post_attention_layernorm(h))
+    h = block.attention_residual(h, attend(block.self_attn, block.input_layernorm(h), cache, index, start, visible))
+    return block.mlp_residual(h)
 
 
 def _require_decoder(model: nn.Module) -> None:

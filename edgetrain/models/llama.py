@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -67,7 +67,17 @@ class LlamaConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
-    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3)
+    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    # The features below are Gemma 3's (edgetrain/models/gemma3.py); their defaults are Llama's.
+    hidden_activation: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    # RMSNorms on the attention's and the MLP's outputs too; pre_feedforward_layernorm is then the MLP's input norm.
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False  # token embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scores times its -1/2 power (default head_dim's)
+    layer_types: list[str] | None = None  # per layer "full_attention" or "sliding_attention"; None: all full
+    sliding_window: int | None = None  # keys a sliding layer's query sees: itself and the window - 1 before it
+    rope_local_base_freq: float | None = None  # sliding layers' own RoPE base (unscaled); None: the global RoPE
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
@@ -78,6 +88,21 @@ class LlamaConfig:
     @property
     def kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def window_of(self, layer: int) -> int | None:
+        """The layer's sliding window, or None for a layer that sees every earlier position."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether the layer rotates with the sliding layers' own RoPE base rather than the global RoPE."""
+        return self.is_sliding(layer) and self.rope_local_base_freq is not None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def validate(self) -> None:
         def check(name: str, ok: bool, why: str) -> None:
@@ -98,8 +123,15 @@ class LlamaConfig:
         check("rms_norm_eps", _is_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "must be in (0, 1)")
         check("rope_theta", _is_number(self.rope_theta) and 1 < self.rope_theta < math.inf, "must be a finite number > 1")
         # A JSON string "false" is truthy: a flag must be a real boolean, or the model is silently wrong.
-        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings", "qk_norm"):
+        for name in ("attention_bias", "mlp_bias", "tie_word_embeddings", "qk_norm", "sandwich_norms",
+                     "scale_embeddings"):
             check(name, isinstance(getattr(self, name), bool), "must be true or false")
+        check("hidden_activation", self.hidden_activation in ACTIVATIONS,
+              f"must be one of {', '.join(ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "rope_local_base_freq", "final_logit_softcapping"):
+            value = getattr(self, name)
+            check(name, value is None or (_is_number(value) and 0 < value < 1e12), "must be a finite number > 0")
+        self._validate_layer_types(check)
         check("model_type", isinstance(self.model_type, str), "must be a string")
         if self.rope_scaling is not None:
             check("rope_scaling", isinstance(self.rope_scaling, dict), "must be an object or null")
@@ -108,6 +140,19 @@ class LlamaConfig:
                   "only rope_type 'llama3' (or 'default') is supported")
             if kind == "llama3":
                 _check_llama3_scaling(self.rope_scaling, check)
+
+    def _validate_layer_types(self, check: Any) -> None:
+        types = self.layer_types
+        if types is None:
+            return
+        check("layer_types", isinstance(types, list) and len(types) == self.num_hidden_layers,
+              f"must list one type for each of the {self.num_hidden_layers} layers")
+        check("layer_types", all(t in ("full_attention", "sliding_attention") for t in types),
+              "each must be 'full_attention' or 'sliding_attention'")
+        if "sliding_attention" in types:
+            window = self.sliding_window
+            check("sliding_window", isinstance(window, int) and not isinstance(window, bool) and 0 < window < 1 << 24,
+                  "sliding layers need a window: a positive integer")
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
@@ -173,8 +218,11 @@ def rope_inverse_frequencies(config: LlamaConfig, device: torch.device | None = 
 
 
 def rope_cos_sin(config: LlamaConfig, seq_len: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [T, head_dim] (halves repeated, as in rotate_half RoPE)."""
+                 dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, head_dim] (halves repeated, as in rotate_half RoPE); `local`: the sliding
+    layers' own unscaled RoPE base (config.rope_local_base_freq)."""
+    if local:
+        config = replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None)
     inv_freq = rope_inverse_frequencies(config, device)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
@@ -206,9 +254,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.sliding_window = config.window_of(layer)
+        self.local_rope = config.local_rope(layer)
         hd, nh, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.q_proj = nn.Linear(config.hidden_size, nh * hd, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, nkv * hd, bias=config.attention_bias)
@@ -218,21 +268,46 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def queries_keys_values(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, ...]:
+        """q [B, H, T, hd], k and v [B, KV, T, hd] of x, the positions start .. start + T - 1: projected,
+        head-normed where the model has head norms, q and k rotated."""
         cfg = self.config
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, seq_len, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(batch, seq_len, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(cfg, seq_len, x.device, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = rope_cos_sin(cfg, start + seq_len, x.device, q.dtype, local=self.local_rope)
+        return apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:]), v
+
+    def visible(self, start: int, steps: int, keys: int, device: torch.device) -> torch.Tensor:
+        """Which keys 0 .. keys - 1 the queries at positions start .. start + steps - 1 see: [steps, keys]."""
+        query = torch.arange(start, start + steps, device=device)[:, None]
+        key = torch.arange(keys, device=device)[None, :]
+        seen = key <= query
+        if self.sliding_window is not None:
+            seen &= key > query - self.sliding_window
+        return seen
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               visible: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T * scale) v over the visible keys (default: causal, within the sliding window)."""
+        steps, keys = q.shape[2], k.shape[2]
+        if visible is None and (self.sliding_window is not None and keys > self.sliding_window or steps != keys):
+            visible = self.visible(keys - steps, steps, keys, q.device)
         # The fused CPU kernel has no forward-mode derivative; forward-gradient methods (fgd)
         # push dual tensors through here, so they get the composite math kernel instead.
         kernel = sdpa_kernel(SDPBackend.MATH) if _carries_tangent(q, k, v) else nullcontext()
         with kernel:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.kv_groups > 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None,
+                                                  scale=self.config.attention_scale,
+                                                  enable_gqa=self.config.kv_groups > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        out = self.attend(*self.queries_keys_values(x))
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -240,37 +315,71 @@ def _carries_tangent(*tensors: torch.Tensor) -> bool:
     return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
 
-class SwiGLU(nn.Module):
+# The gated MLP's activations by config.hidden_activation: SwiGLU's and GeGLU's (Gemma's tanh GELU).
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class GatedMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
+        self.activation = ACTIVATIONS[config.hidden_activation]
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Pre-norm attention and MLP with residuals; with sandwich norms (Gemma 3) each output is normed too:
+    post_attention_layernorm then norms the attention's output and pre_feedforward_layernorm is the MLP's
+    input norm (transformers' names for both layouts)."""
+
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = GatedMLP(config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        return getattr(self, "pre_feedforward_layernorm", self.post_attention_layernorm)
+
+    def attention_residual(self, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """h plus the attention's output (normed, with sandwich norms)."""
+        if hasattr(self, "pre_feedforward_layernorm"):
+            attended = self.post_attention_layernorm(attended)
+        return h + attended
+
+    def mlp_residual(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(self.mlp_input_norm(h))
+        if hasattr(self, "post_feedforward_layernorm"):
+            out = self.post_feedforward_layernorm(out)
+        return h + out
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.mlp_residual(self.attention_residual(h, self.self_attn(self.input_layernorm(h))))
 
 
 class TokenEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Gemma scales by sqrt(hidden) rounded to the embedding's dtype (a float32 number here).
+        self.scale = math.sqrt(config.hidden_size) if config.scale_embeddings else None
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids)
+        rows = self.embed_tokens(token_ids)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 class LMHead(nn.Module):
@@ -278,9 +387,10 @@ class LMHead(nn.Module):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.soft_cap = config.final_logit_softcapping
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))
+        return soft_cap(self.lm_head(self.norm(h)), self.soft_cap)
 
 
 class LlamaModel(nn.Module):
@@ -292,7 +402,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed = TokenEmbedding(config)
-        self.blocks = nn.ModuleList(DecoderBlock(config) for _ in range(config.num_hidden_layers))
+        self.blocks = nn.ModuleList(DecoderBlock(config, layer) for layer in range(config.num_hidden_layers))
         self.head = LMHead(config)
         if config.tie_word_embeddings:
             self.head.lm_head.weight = self.embed.embed_tokens.weight
