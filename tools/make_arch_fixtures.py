@@ -13,7 +13,8 @@ out and the tests that read them skip.
 
 Models (ARCHITECTURES): `llama3`, Llama 3.2's shape with its RoPE scaling (rope_type llama3), which llama.cpp
 writes as `rope_freqs.weight`; `qwen3`, Qwen3's head norms over q and k with a head size of its own (32, not
-hidden / heads = 16) and an untied head. Norm weights are drawn away from one, so a norm read wrongly shows.
+hidden / heads = 16) and an untied head, with Qwen's chat template; `gemma3`, sliding layers (window 16, their
+own RoPE base) and a global one, sandwich norms, GeGLU, scaled embeddings, with Gemma's turns. Norm weights are drawn away from one, so a norm read wrongly shows.
 """
 from __future__ import annotations
 
@@ -51,9 +52,24 @@ def _qwen3() -> Any:
         **COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False))
 
 
+def _gemma3() -> Any:
+    import transformers
+
+    # Window 16 < the 96 stored positions, so the sliding layers' mask acts; scores scaled by head_dim, as llama.cpp
+    # scales every Gemma 3 but the 27B (the published 270M and 1B have query_pre_attn_scalar = head_dim too).
+    # Seven layers: Gemma's pattern (five sliding, one global) and one more sliding, which llama.cpp assumes
+    # when the GGUF names no pattern (its converter writes none).
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 7}, head_dim=32, query_pre_attn_scalar=32, sliding_window=16))
+
+
 # name -> (the transformers model, built with the vocabulary's size set by the caller; llama.cpp's pre-tokenizer)
-ARCHITECTURES: dict[str, Callable[[], Any]] = {"llama3": _llama3, "qwen3": _qwen3}
-PRE_TOKENIZERS = {"llama3": "llama-bpe", "qwen3": "qwen2"}
+ARCHITECTURES: dict[str, Callable[[], Any]] = {"llama3": _llama3, "qwen3": _qwen3, "gemma3": _gemma3}
+PRE_TOKENIZERS = {"llama3": "llama-bpe", "qwen3": "qwen2", "gemma3": "llama-bpe"}
+# Turn markers a model's template needs that the fixtures' vocabulary lacks: added as special tokens.
+TURN_TOKENS = {"gemma3": ["<start_of_turn>", "<end_of_turn>"]}
+# Turn markers a model's template needs that the fixtures' vocabulary lacks: added as special tokens.
+TURN_TOKENS = {"gemma3": ["<start_of_turn>", "<end_of_turn>"]}
 # The chat template each model's tokenizer carries (the converter copies it into the GGUF), written in the form
 # of the published models' templates with the turn markers the fixtures' vocabulary has. Qwen3's is ChatML;
 # with add_generation_prompt it opens the assistant's turn with an empty think block (thinking off).
@@ -62,6 +78,12 @@ CHAT_TEMPLATES = {
               "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
               "{%- endfor %}"
               "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{%- endif %}"),
+    # Gemma's turns: the assistant is "model".
+    "gemma3": ("{%- for message in messages %}"
+               "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+               "{{- '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+               "{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"),
 }
 
 
@@ -86,9 +108,11 @@ def save_checkpoint(name: str, directory: Path) -> Any:
     tokenizer.decoder = decoders.ByteLevel()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>",
                                                 eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if name in TURN_TOKENS:
+        fast.add_special_tokens({"additional_special_tokens": TURN_TOKENS[name]})
     torch.manual_seed(0)
     model = ARCHITECTURES[name]()
-    model.resize_token_embeddings(len(tokens))
+    model.resize_token_embeddings(len(fast))
     with torch.no_grad():  # transformers starts norms at one (zero for Gemma's 1 + w): move them off it
         for parameter_name, parameter in model.named_parameters():
             if "norm" in parameter_name:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from edgetrain.models.gguf.writing import finish_gguf
+from edgetrain.models.decoders import architecture_of
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import LORA_TARGETS, AdapterError, LoraConfig
 from edgetrain.utils.logs import get_logger
@@ -81,7 +82,7 @@ def write_gguf_lora(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
         arrays[gguf_name] = np.ascontiguousarray(tensor.numpy())
 
     def fill(tmp: Path) -> None:
-        writer = gguf.GGUFWriter(str(tmp), base.model_type)
+        writer = gguf.GGUFWriter(str(tmp), architecture_of(base).gguf_architecture)
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(config.alpha))
@@ -146,9 +147,9 @@ def read_gguf_lora(path: str | Path, base: LlamaConfig) -> tuple[LoraConfig, dic
         raise AdapterError(f"{source}: not a LoRA adapter GGUF (general.type {kind!r}, adapter.type "
                            f"{adapter_type!r}; expected 'adapter' and 'lora')")
     arch = _metadata_text(metadata, "general.architecture")
-    if arch != base.model_type:
+    if arch != architecture_of(base).gguf_architecture:
         raise AdapterError(f"{source}: the adapter is for a {arch!r} model, the base model is "
-                           f"{base.model_type!r}")
+                           f"{architecture_of(base).gguf_architecture!r}")
     targets_by_module = {module: target for target, module in _gguf_modules().items()}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for info in gguf_file.tensors.values():

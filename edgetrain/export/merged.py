@@ -20,6 +20,7 @@ from torch import nn
 
 from edgetrain.models.gguf.writing import finish_gguf
 from edgetrain.models.decoders import architecture_names, architecture_of
+from edgetrain.models.hf_checkpoint import norm_offset
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.registry import EdgetrainError
 from edgetrain.utils.logs import get_logger
@@ -123,7 +124,9 @@ def save_merged_hf(model: nn.Module, directory: str | Path, dtype: torch.dtype |
     config = _require_decoder(model)
     state = merged_state_dict(model)
     dtype = dtype or next(iter(state.values())).dtype
-    tensors = {edgetrain_key_to_hf(name): tensor.to("cpu", dtype).contiguous() for name, tensor in state.items()}
+    offset = norm_offset(config)  # Gemma's checkpoints hold w of its 1 + w norms
+    tensors = {edgetrain_key_to_hf(name): (tensor.float() - offset if offset and name.endswith("norm.weight")
+                                           else tensor).to("cpu", dtype).contiguous() for name, tensor in state.items()}
     tokenizer = getattr(model, "tokenizer", None)
 
     def fill(staging: Path) -> None:
@@ -162,7 +165,7 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, 
         if info.name in CONFIG_TENSORS:  # Llama 3's RoPE factors: the base's, as they are (F32)
             arrays.append((info.name, np.ascontiguousarray(read_values(base, info))))
             continue
-        name = gguf_name_to_edgetrain(info.name)
+        name = gguf_name_to_edgetrain(info.name, config)
         tensor = state[name].detach().to("cpu", torch.float64)
         heads = rope_heads(config, info.name)
         if heads is not None:
@@ -174,7 +177,7 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, 
     file_type = gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16
 
     def fill(tmp: Path) -> None:
-        writer = gguf.GGUFWriter(str(tmp), config.model_type)
+        writer = gguf.GGUFWriter(str(tmp), architecture_of(config).gguf_architecture)
         for field in reader.fields.values():
             if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type",
                                                                  "general.alignment"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from edgetrain.models import llama, qwen3  # noqa: F401  (each registers its architecture)
+from edgetrain.models import gemma3, llama, qwen3  # noqa: F401  (each registers its architecture)
 from edgetrain.models.decoder_registry import DECODER_ARCHITECTURES, DecoderArchitecture
 from edgetrain.models.llama import ConfigError, LlamaConfig
 from edgetrain.registry import UnknownNameError
@@ -21,6 +21,12 @@ def decoder_architecture(model_type: Any, where: str = "config.json") -> Decoder
 
 def architecture_names() -> list[str]:
     return DECODER_ARCHITECTURES.names()
+
+
+def gguf_architectures() -> dict[str, DecoderArchitecture]:
+    """GGUF general.architecture -> the architecture it names."""
+    return {DECODER_ARCHITECTURES.get(name).gguf_architecture: DECODER_ARCHITECTURES.get(name)
+            for name in DECODER_ARCHITECTURES.names()}
 
 
 def config_from_hf_dict(raw: dict[str, Any], where: str = "config.json") -> LlamaConfig:

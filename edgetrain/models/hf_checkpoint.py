@@ -115,6 +115,24 @@ def _retie(model: nn.Module) -> None:
         model.head.lm_head.weight = model.embed.embed_tokens.weight
 
 
+def norm_offset(config: Any) -> float:
+    """What the architecture's checkpoints store of its norm weights less the factor they multiply by (Gemma's
+    1 + w: 1.0), 0.0 for the others."""
+    from edgetrain.models.decoders import architecture_of
+    from edgetrain.models.llama import LlamaConfig
+
+    return architecture_of(config).norm_offset if isinstance(config, LlamaConfig) else 0.0
+
+
+def with_norm_offset(tensors: dict[str, Any], offset: float) -> dict[str, Any]:
+    """Every norm weight ("...norm.weight") plus `offset`, computed in float32 (as Gemma computes 1 + w) and
+    kept in float32: the loader rounds it to the model's dtype."""
+    if not offset:
+        return tensors
+    return {key: (tensor.float() + offset) if key.endswith("norm.weight") else tensor
+            for key, tensor in tensors.items()}
+
+
 def load_checkpoint_dir(directory: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu") -> nn.Module:
     directory = Path(directory)
@@ -138,7 +156,8 @@ def load_checkpoint_dir(directory: str | Path, dtype: torch.dtype = torch.float3
             if key in tensors:
                 raise CheckpointError(f"{path}: tensor {key!r} appears in more than one shard")
             tensors[key] = tensor
-    load_weights(model, tensors, str(directory), dtype, key_map=hf_key_to_edgetrain)
+    load_weights(model, with_norm_offset(tensors, norm_offset(model.config)), str(directory), dtype,
+                 key_map=hf_key_to_edgetrain)
     from edgetrain.data.tokenizer import attach_tokenizer
 
     attach_tokenizer(model, directory, model.config.vocab_size)  # its tokenizer.json, when it has one

@@ -136,10 +136,13 @@ class LlamaConfig:
         if self.rope_scaling is not None:
             check("rope_scaling", isinstance(self.rope_scaling, dict), "must be an object or null")
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            check("rope_scaling", kind in ("llama3", "default"),
-                  "only rope_type 'llama3' (or 'default') is supported")
+            check("rope_scaling", kind in ("llama3", "linear", "default"),
+                  "only rope_type 'llama3' or 'linear' (or 'default') is supported")
             if kind == "llama3":
                 _check_llama3_scaling(self.rope_scaling, check)
+            if kind == "linear":
+                factor = self.rope_scaling.get("factor")
+                check("rope_scaling", _is_number(factor) and factor > 0, "linear needs a finite factor > 0")
 
     def _validate_layer_types(self, check: Any) -> None:
         types = self.layer_types
@@ -200,6 +203,8 @@ def rope_inverse_frequencies(config: LlamaConfig, device: torch.device | None = 
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim))
     scaling = config.rope_scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "linear":  # positions divided by factor
+        inv_freq = inv_freq / float(scaling["factor"])
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
         # Llama 3.1 long-context scaling: low frequencies slowed by `factor`, high kept, smooth in between.
         factor = float(scaling["factor"])

@@ -148,6 +148,51 @@ def test_qwen3_head_norms_match_bp():
     assert_matches_bp(model, random_batch(97, seed=1))
 
 
+def gemma3_decoder(seed: int, soft_cap: float | None = 3.0) -> LlamaModel:
+    """Every Gemma 3 feature at once: sandwich norms, GeGLU, scaled embeddings, head norms, sliding layers with
+    a window (4) shorter than the sequence and their own RoPE base, an attention scale of its own, a soft-cap."""
+    from edgetrain.models.gemma3 import Gemma3Config
+
+    torch.manual_seed(seed)
+    config = Gemma3Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                          query_pre_attn_scalar=20, final_logit_softcapping=soft_cap,
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = LlamaModel(config)
+    model.init_weights(std=0.2, seed=seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("soft_cap", [3.0, None])
+def test_gemma3_features_match_bp(soft_cap):
+    model = with_lora(gemma3_decoder(9, soft_cap))
+    batch = random_batch(97, seq_len=11)
+    assert_matches_bp(model, batch, **RAGGED)
+    assert_matches_bp(model, batch)
+    ref_loss, ref = METHODS.get("bp")(model.double()).gradients(batch)
+    loss, grads = METHODS.get("mesp")(model, **RAGGED).gradients(batch)
+    assert abs(float(loss - ref_loss)) <= 1e-12 * abs(float(ref_loss))
+    assert max(max_relative_errors(ref, grads).values()) <= 1e-10
+
+
+def test_gemma3_window_and_soft_cap_change_the_model():
+    """The two features the fixtures cannot show (llama.cpp's Gemma 3 has no soft-cap; the fixture's window
+    spans most of its sequence) change the logits: the parity above is not of two programs ignoring them."""
+    import dataclasses
+
+    model = gemma3_decoder(9)
+    ids = random_batch(97, seq_len=11).inputs
+    for change in (dict(final_logit_softcapping=None), dict(sliding_window=64)):
+        other = LlamaModel(dataclasses.replace(model.config, **change))
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert float((other(ids) - model(ids)).abs().max()) > 1e-3, change
+
+
 @pytest.mark.parametrize("targets", [("q", "v"), ("k", "o", "down"), ("gate",)])
 def test_lora_target_subsets_match_bp(targets):
     model = with_lora(random_decoder(5, attention_bias=True), targets=targets)

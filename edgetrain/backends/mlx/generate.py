@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from edgetrain.backends.mlx.learner import batch_arrays
-from edgetrain.backends.mlx.model import Attention, DecoderBlock, MLXDecoder, apply_rope, causal_attention
+from edgetrain.backends.mlx.model import Attention, DecoderBlock, MLXDecoder
 from edgetrain.data.batch import Batch
 from edgetrain.data.chat_template import Message
 from edgetrain.backends.mlx.token_loss import token_losses
@@ -43,23 +43,19 @@ class MLXKVCache:
 def _attend(attention: Attention, x: mx.array, rope: tuple[mx.array, mx.array], cache: MLXKVCache,
             index: int, start: int) -> mx.array:
     batch, steps, _ = x.shape
-    q = attention.q_proj(x).reshape(batch, steps, attention.num_heads, attention.head_dim).transpose(0, 2, 1, 3)
-    k = attention.k_proj(x).reshape(batch, steps, attention.num_kv_heads, attention.head_dim).transpose(0, 2, 1, 3)
-    v = attention.v_proj(x).reshape(batch, steps, attention.num_kv_heads, attention.head_dim).transpose(0, 2, 1, 3)
-    cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attention.queries_keys_values(x, rope)
     if cache.keys[index] is not None:
         k = mx.concatenate([cache.keys[index], k], axis=2)
         v = mx.concatenate([cache.values[index], v], axis=2)
     cache.keys[index], cache.values[index] = k, v
-    out = causal_attention(q, k, v, start)
+    out = attention.attend(q, k, v, start)
     return attention.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, steps, -1))
 
 
 def _block(block: DecoderBlock, h: mx.array, rope: tuple[mx.array, mx.array], cache: MLXKVCache, index: int,
            start: int) -> mx.array:
-    h = h + _attend(block.self_attn, block.input_layernorm(h), rope, cache, index, start)
-    return h + block.mlp(block.post_attention_layernorm(h))
+    h = block.attention_residual(h, _attend(block.self_attn, block.input_layernorm(h), rope, cache, index, start))
+    return block.mlp_residual(h)
 
 
 def _require_decoder(model: Any) -> None:
@@ -76,9 +72,8 @@ def forward_cached(model: MLXDecoder, token_ids: mx.array, cache: MLXKVCache, *,
         cache.keys, cache.values = [None] * len(model.blocks), [None] * len(model.blocks)
     start = cache.length
     h = model.embed(token_ids)
-    cos, sin = model.rope(start + token_ids.shape[1], h.dtype)
-    rope = (cos[start:], sin[start:])
-    for index, block in enumerate(model.blocks):
+    ropes = model.block_ropes(start + token_ids.shape[1], h.dtype, start)
+    for index, (block, rope) in enumerate(zip(model.blocks, ropes)):
         h = _block(block, h, rope, cache, index, start)
     logits = model.logits(h[:, -1:] if last_only else h)
     mx.eval(logits, cache.keys, cache.values)

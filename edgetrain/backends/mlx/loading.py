@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from edgetrain.backends.mlx.model import MLXDecoder, hf_key_to_edgetrain
 from edgetrain.backends.mlx.quantize import DEFAULT_GROUP_SIZE, ComputeMode, quantize_block, quantize_model
 from edgetrain.backends.mlx.weights import assign_weights, parse_mlx_dtype
-from edgetrain.models.hf_checkpoint import CheckpointError, read_config, safetensors_files
+from edgetrain.models.hf_checkpoint import CheckpointError, norm_offset, read_config, safetensors_files
 from edgetrain.files.user import require_regular_file
 from edgetrain.models.decoders import config_from_hf_dict
 from edgetrain.models.llama import LlamaConfig
@@ -120,6 +120,7 @@ def load_checkpoint_dir(directory: str | Path, dtype: str | mx.Dtype = "float32"
     raw = read_config(directory)
     config = config_from_hf_dict(raw, str(directory / "config.json"))
     target = parse_mlx_dtype(dtype)
+    offset = norm_offset(config)  # Gemma's checkpoints hold w of its 1 + w norms: added in float32
     tensors: dict[str, mx.array] = {}
     for path in safetensors_files(directory):
         for key, array in _read_safetensors(path).items():
@@ -128,6 +129,8 @@ def load_checkpoint_dir(directory: str | Path, dtype: str | mx.Dtype = "float32"
             name = hf_key_to_edgetrain(key)
             if name in tensors:
                 raise CheckpointError(f"{path}: tensor {key!r} appears in more than one shard")
+            if offset and key.endswith("norm.weight"):
+                array = array.astype(mx.float32) + offset
             tensors[name] = array.astype(target) if mx.issubdtype(array.dtype, mx.floating) else array
     model = MLXDecoder(config)
     assign_weights(model, tensors, str(directory))

@@ -22,8 +22,7 @@ def token_losses(model: "object", inputs: mx.array, targets: mx.array, token_chu
 def _rows_token_losses(model: "object", inputs: mx.array, targets: mx.array, token_chunk: int | None) -> np.ndarray:
     chunk = token_chunk or EVAL_TOKEN_CHUNK
     h = model.embed(inputs)
-    rope = model.rope(inputs.shape[1], h.dtype)
-    for block in model.blocks:
+    for block, rope in zip(model.blocks, model.block_ropes(inputs.shape[1], h.dtype)):
         h = block(h, rope)
     predicted = np.flatnonzero(np.array(targets).reshape(-1) != IGNORE_INDEX)
     hidden = h.reshape(-1, h.shape[-1])[mx.array(predicted)]

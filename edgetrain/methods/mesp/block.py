@@ -21,11 +21,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from edgetrain.methods.mesp.ops import (LinearWeights, LoRAGradients, causal_attention_backward,
+from edgetrain.methods.mesp.ops import (GATED_ACTIVATIONS, LinearWeights, LoRAGradients, causal_attention_backward,
                                         causal_attention_forward, compute_dtype, linear_group_backward,
                                         linear_group_forward, linear_group_input_grad, lora_group_backward,
                                         rms_norm_backward, rms_norm_forward,
-                                        rope_backward, rope_forward, swiglu_backward, swiglu_forward)
+                                        rope_backward, rope_forward)
 from edgetrain.methods.mesp.step_buffers import fresh_allocations
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, rope_cos_sin
 from edgetrain.models.lora import LORA_TARGETS, LoRALinear
@@ -62,7 +62,11 @@ def _frozen_weights(module: nn.Module, where: str) -> LinearWeights:
 
 @dataclass
 class BlockWeights:
-    """Everything a DecoderBlock computes with, as plain tensors (views of its parameters)."""
+    """Everything a DecoderBlock computes with, as plain tensors (views of its parameters).
+
+    post_attention_norm is the MLP's input norm (Llama's post_attention_layernorm, Gemma's
+    pre_feedforward_layernorm); the optional fields are the features of edgetrain.models.llama's decoder
+    that Llama lacks, None or off where the model has none."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -74,21 +78,36 @@ class BlockWeights:
     # RMSNorm weights over each head's query and key before RoPE (Qwen3); None where the model has none.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # Sandwich norms (Gemma 3): over the attention's output and over the MLP's output.
+    attention_output_norm: torch.Tensor | None = None
+    mlp_output_norm: torch.Tensor | None = None
+    activation: str = "silu"  # the gated MLP's (ops.GATED_ACTIVATIONS)
+    sliding_window: int | None = None
+    local_rope: bool = False  # rotates with the sliding layers' own RoPE tables (rope_tables(local=True))
+    attention_scale: float | None = None  # None: 1 / sqrt(head_dim)
 
     @classmethod
     def from_block(cls, block: nn.Module, where: str = "block") -> "BlockWeights":
         if not isinstance(block, DecoderBlock):
             raise EdgetrainError(f"{where} is a {type(block).__name__}, not a DecoderBlock")
         config: LlamaConfig = block.self_attn.config
-        head_norms = [getattr(block.self_attn, name, None) for name in ("q_norm", "k_norm")]
-        norms = [block.input_layernorm, block.post_attention_layernorm, *(n for n in head_norms if n is not None)]
+        attn = block.self_attn
+        head_norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        sandwich = config.sandwich_norms
+        output_norms = [block.post_attention_layernorm, block.post_feedforward_layernorm] if sandwich else [None, None]
+        norms = [block.input_layernorm, block.mlp_input_norm,
+                 *(n for n in head_norms + output_norms if n is not None)]
         if len({norm.eps for norm in norms}) > 1:
             raise EdgetrainError(f"{where}: its RMSNorms use different eps")
         linears = {name: linear_weights(block.get_submodule(LORA_TARGETS[name]), f"{where}.{LORA_TARGETS[name]}")
                    for name in PROJECTIONS}
-        q_norm, k_norm = (None if n is None else n.weight.detach() for n in head_norms)
+        q_norm, k_norm, attention_output_norm, mlp_output_norm = (
+            None if n is None else n.weight.detach() for n in head_norms + output_norms)
+        scale = config.attention_scale
         return cls(norms[0].weight.detach(), norms[1].weight.detach(), float(norms[0].eps), linears,
-                   config.num_attention_heads, config.num_key_value_heads, config.head_dim, q_norm, k_norm)
+                   config.num_attention_heads, config.num_key_value_heads, config.head_dim, q_norm, k_norm,
+                   attention_output_norm, mlp_output_norm, config.hidden_activation, attn.sliding_window,
+                   attn.local_rope, None if scale == config.head_dim ** -0.5 else scale)
 
     def lora_parameter_names(self) -> list[str]:
         """Block-relative names of the adapter parameters, as block.named_parameters() spells them."""
@@ -97,9 +116,16 @@ class BlockWeights:
 
 
 def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] exactly as the model's attention computes them."""
-    return rope_cos_sin(config, seq_len, device, dtype)
+                dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] exactly as the model's attention computes them (`local`: a sliding layer's own)."""
+    return rope_cos_sin(config, seq_len, device, dtype, local=local)
+
+
+def rope_tables_by_block(config: LlamaConfig, weights: list[BlockWeights], seq_len: int, device: torch.device,
+                         dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each block's RoPE tables, made once for each kind of block (global, sliding with its own base)."""
+    tables = {local: rope_tables(config, seq_len, device, dtype, local) for local in {w.local_rope for w in weights}}
+    return [tables[w.local_rope] for w in weights]
 
 
 def _check_chunk(name: str, value: int) -> None:
@@ -124,12 +150,15 @@ def _attention_half(weights: BlockWeights, flat_x: torch.Tensor, batch: int, seq
     q_raw, k_raw = (q, k) if weights.q_norm is not None else (None, None)
     q, k = _head_norms_and_rope(weights, q, k, rope)
     v = v.view(batch, seq_len, kv_heads, head_dim).transpose(1, 2)
-    attention = causal_attention_forward(q, k, v, attention_chunk)
+    attention = causal_attention_forward(q, k, v, attention_chunk, weights.sliding_window, weights.attention_scale)
     attention_flat = attention.transpose(1, 2).reshape(batch * seq_len, heads * head_dim)
+    o_out = None
     with fresh_allocations() if kept_output and not torch.compiler.is_compiling() else nullcontext():
         (h1,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
+        if weights.attention_output_norm is not None:  # its backward reads its input: the o projection, kept
+            o_out, h1 = h1, rms_norm_forward(h1, weights.attention_output_norm, weights.eps)
     h1.add_(flat_x)
-    return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw
+    return q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw, o_out
 
 
 def _head_norms_and_rope(weights: BlockWeights, q: torch.Tensor, k: torch.Tensor,
@@ -158,10 +187,12 @@ def block_forward(weights: BlockWeights, x: torch.Tensor, rope: tuple[torch.Tens
         normed = rms_norm_forward(h1_chunk, weights.post_attention_norm, weights.eps)
         (gate, up), _ = linear_group_forward(normed, [lin["gate"], lin["up"]])
         del normed
-        activation = swiglu_forward(gate, up, overwrite_inputs=True)
+        activation = GATED_ACTIVATIONS[weights.activation][0](gate, up, overwrite_inputs=True)
         del gate, up
         (down,), _ = linear_group_forward(activation, [lin["down"]])
         del activation
+        if weights.mlp_output_norm is not None:
+            down = rms_norm_forward(down, weights.mlp_output_norm, weights.eps)
         h1_chunk.add_(down)  # h1 becomes the block output in place: its rows are read only here
     return h1.view(batch, seq_len, dim)
 
@@ -201,8 +232,9 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
     if not overwrite_grad_out:  # (a copy too many where reshape already copied: only for a strided grad_out)
         flat_grad = flat_grad.clone()
 
-    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw = _attention_half(
+    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw, o_out = _attention_half(
         weights, flat_x, batch, seq_len, rope, attention_chunk)
+    activation_forward, activation_backward = GATED_ACTIVATIONS[weights.activation]
     if not store_lora_projection:
         qkv_projection = o_projection = None
     if q_raw is not None:  # q and k as projected are kept instead; the normed, rotated ones come back below
@@ -214,15 +246,20 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
         (gate, up), gate_up_projection = linear_group_forward(normed, [lin["gate"], lin["up"]])
         if not store_lora_projection:
             gate_up_projection = None
-        activation = swiglu_forward(gate, up)
-        # down's output is never needed, only its input: its projection is computed once either way.
+        activation = activation_forward(gate, up)
+        grad_down = grad_chunk
+        if weights.mlp_output_norm is not None:  # down's output is recomputed: its norm's backward reads it
+            (down,), _ = linear_group_forward(activation, [lin["down"]])
+            grad_down = rms_norm_backward(down, weights.mlp_output_norm, weights.eps, grad_chunk)
+            del down
+        # Otherwise down's output is never needed, only its input: its projection is computed once either way.
         # Its LoRA gradients come first so that the activation is freed before dL/dactivation exists.
-        down_grad_projection = lora_group_backward(activation, [lin["down"]], [grad_chunk], [acc("down")])
+        down_grad_projection = lora_group_backward(activation, [lin["down"]], [grad_down], [acc("down")])
         del activation
-        grad_activation = linear_group_input_grad([lin["down"]], [grad_chunk], down_grad_projection)
-        del down_grad_projection
+        grad_activation = linear_group_input_grad([lin["down"]], [grad_down], down_grad_projection)
+        del down_grad_projection, grad_down
         # Consumes gate, up and grad_activation: three [chunk, intermediate] buffers in, two out.
-        grad_gate, grad_up = swiglu_backward(gate, up, grad_activation, overwrite_inputs=True)
+        grad_gate, grad_up = activation_backward(gate, up, grad_activation, overwrite_inputs=True)
         del gate, up, grad_activation
         grad_normed = linear_group_backward(normed, [lin["gate"], lin["up"]], [grad_gate, grad_up],
                                             [acc("gate"), acc("up")], projection=gate_up_projection)
@@ -231,13 +268,18 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
         del normed, grad_normed
     del h1
 
-    grad_attention_flat = linear_group_backward(attention_flat, [lin["o"]], [flat_grad], [acc("o")],
+    grad_o = flat_grad
+    if o_out is not None:
+        grad_o = rms_norm_backward(o_out, weights.attention_output_norm, weights.eps, flat_grad)
+    del o_out
+    grad_attention_flat = linear_group_backward(attention_flat, [lin["o"]], [grad_o], [acc("o")],
                                                 projection=o_projection)
-    del attention_flat, o_projection
+    del attention_flat, o_projection, grad_o
     grad_attention = grad_attention_flat.view(batch, seq_len, heads, head_dim).transpose(1, 2)
     if q_raw is not None:
         q, k = _head_norms_and_rope(weights, q_raw, k_raw, rope)
-    grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk)
+    grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk,
+                                                       weights.sliding_window, weights.attention_scale)
     del q, k, v, attention, grad_attention, grad_attention_flat
     grad_q = rope_backward(grad_q, cos, sin).transpose(1, 2)
     grad_k = rope_backward(grad_k, cos, sin).transpose(1, 2)

@@ -36,8 +36,8 @@ def default_vocab_chunk(quantized_head: bool, device: torch.device) -> int:
 
 
 def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, lm_weight: torch.Tensor | Any,
-                    targets: torch.Tensor, chunk: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    targets: torch.Tensor, chunk: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+                    soft_cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean next-token cross-entropy of lm_head(rms_norm(hidden)) against `targets` (aligned with
     the positions; IGNORE_INDEX = -100 positions carry no loss), and dL/dhidden.
 
@@ -45,7 +45,8 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     (edgetrain.models.quantized: QuantizedLinear, TiedQuantizedHead) dequantised one tile of rows at a
     time; targets of the
     same leading shape. Equals edgetrain.training.losses.lm_loss: fp32 softmax, mean over valid tokens.
-    `chunk` tokens x `vocab_chunk` vocabulary entries is the largest temporary.
+    `chunk` tokens x `vocab_chunk` vocabulary entries is the largest temporary. `soft_cap`: the logits are
+    cap * tanh(z / cap) (Gemma's final soft-cap); each entry's row then weighs by the cap's slope 1 - tanh^2.
     Returns (loss as a 0-dim tensor, fp32 -- fp64 for fp64 inputs --, dL/dhidden shaped and typed
     like hidden).
     """
@@ -81,6 +82,11 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
             logits = matmul(normed, weight_block.t())
             if logits.dtype != work:  # lm_loss upcasts the model's logits the same way
                 logits = logits.to(work)
+            slopes = None
+            if soft_cap is not None:  # as the model's head: tanh(z / cap) * cap
+                logits = torch.tanh(logits.div_(soft_cap))
+                slopes = 1 - logits * logits
+                logits.mul_(soft_cap)
             in_tile = (safe_targets >= vocab_start) & (safe_targets < vocab_start + logits.shape[1])
             tile_targets = (safe_targets - vocab_start).clamp_(0, logits.shape[1] - 1)
             target_logits = torch.where(in_tile, logits.gather(1, tile_targets), target_logits)
@@ -93,8 +99,9 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
             # dL/dn = ((sum_{v != t} p_v W_v) - (1 - p_t) W_t) / N has no cancellation when p_t ~ 1.
             exps.scatter_(1, tile_targets, torch.where(in_tile, 0, exps.gather(1, tile_targets)))
             other_exp_sum.add_(exps.sum(1, keepdim=True))
-            other_weighted_rows.addmm_(exps, weight_block if weight_block.dtype == work else weight_block.to(work))
-            del logits, exps
+            weighted = exps if slopes is None else exps.mul_(slopes)
+            other_weighted_rows.addmm_(weighted, weight_block if weight_block.dtype == work else weight_block.to(work))
+            del logits, exps, weighted, slopes
             running_max = new_max
         exp_sum = other_exp_sum + (target_logits - running_max).exp()
         # -log p_t = log(1 + sum_{v != t} exp(l_v - l_t)): log1p keeps a nearly certain target's small
@@ -106,6 +113,8 @@ def chunked_lm_loss(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         # dL/dnormed = (softmax W - W[target]) / N on valid rows, 0 on ignored ones.
         row_weight = chunk_valid.to(work).mul_(inverse_count).unsqueeze(1)
         target_rows = gather_rows(safe_targets.squeeze(1)).to(work)
+        if soft_cap is not None:  # the target's own slope
+            target_rows.mul_(1 - (target_logits / soft_cap) ** 2)
         grad_normed = other_weighted_rows.sub_(target_rows.mul_(other_exp_sum))
         grad_normed = grad_normed.mul_(row_weight / exp_sum).to(dtype)
         del other_weighted_rows, target_rows, normed

@@ -26,7 +26,7 @@ from torch import nn
 from edgetrain.data.batch import Batch
 from edgetrain.methods.base import METHODS, apply_gradients, require_finite, trainable_parameters
 from edgetrain.methods.mesp import step_buffers
-from edgetrain.methods.mesp.block import BlockWeights, rope_tables
+from edgetrain.methods.mesp.block import BlockWeights, rope_tables_by_block
 from edgetrain.methods.mesp.compiled import block_programs
 from edgetrain.methods.mesp.loss import chunked_lm_loss, default_vocab_chunk
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, RMSNorm
@@ -173,11 +173,11 @@ class StructuredBackprop:
         model, config = self.model, self.model.config
         chunks = dict(attention_chunk=self.attention_chunk, mlp_chunk=self.mlp_chunk)
         hidden = model.embed(batch.inputs)
-        rope = rope_tables(config, hidden.shape[1], hidden.device, hidden.dtype)
         weights = [BlockWeights.from_block(block, f"blocks.{i}") for i, block in enumerate(model.blocks)]
+        ropes = rope_tables_by_block(config, weights, hidden.shape[1], hidden.device, hidden.dtype)
         forward, backward = block_programs(hidden.device, self.compile_blocks)
         block_inputs: list[torch.Tensor] = []
-        for block_weights in weights:
+        for block_weights, rope in zip(weights, ropes):
             block_inputs.append(hidden)
             hidden = forward(block_weights, hidden, rope, **chunks)
         # Each phase (forward, loss, backward) starts with no free buffers: what one phase left free would sit
@@ -187,7 +187,8 @@ class StructuredBackprop:
         dense_head = type(head.lm_head) is nn.Linear
         loss, grad = chunked_lm_loss(hidden, head.norm.weight, head.norm.eps,
                                      head.lm_head.weight if dense_head else head.lm_head,  # dequantised per tile
-                                     batch.targets, self.loss_chunk, self._vocab_chunk(dense_head, hidden.device))
+                                     batch.targets, self.loss_chunk, self._vocab_chunk(dense_head, hidden.device),
+                                     soft_cap=head.soft_cap)
         if require_finite_loss:
             require_finite(float(loss), "loss")
         del hidden
@@ -195,7 +196,7 @@ class StructuredBackprop:
         for index in reversed(range(len(weights))):
             block_input = block_inputs.pop()
             # A compiled program that wrote into its input could not be replayed as a CUDA graph.
-            grad, block_grads = backward(weights[index], block_input, grad, rope,
+            grad, block_grads = backward(weights[index], block_input, grad, ropes[index],
                                          overwrite_grad_out=not self.compile_blocks,
                                          store_lora_projection=self.store_lora_projection, **chunks)
             del block_input

@@ -178,11 +178,17 @@ def _sequence_major_empty(batch: int, heads: int, groups: int, seq_len: int, hea
 
 
 def _causal_probabilities(q_chunk: torch.Tensor, keys: torch.Tensor, start: int, stop: int,
-                          groups: int, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) with the causal mask, for query rows start:stop against keys 0:stop.
+                          groups: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) with the causal mask, for query rows start:stop against keys 0:stop (with a
+    sliding `window`, query p sees keys p - window + 1 .. p only).
     Returned shape [B, KV, G*C, stop]; computed in place on the one score buffer."""
     scores = matmul(q_chunk, keys.transpose(-1, -2)).mul_(scale)
     rows = stop - start
+    if window is not None and start - window + rows - 1 >= 0:  # some query of the chunk has keys too old to see
+        queries = torch.arange(start, stop, device=scores.device)[:, None]
+        too_old = torch.arange(stop, device=scores.device)[None, :] <= queries - window
+        batch, kv_heads = scores.shape[:2]
+        scores.view(batch, kv_heads, groups, rows, stop).masked_fill_(too_old, float("-inf"))
     if rows > 1:
         # Query at position start+i may see keys 0..start+i: only the last `rows` key columns need a mask.
         positions = torch.arange(rows, device=scores.device)
@@ -215,9 +221,10 @@ def _check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def causal_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             chunk: int) -> torch.Tensor:
+                             chunk: int, window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal softmax attention, q [B, H, T, hd], k/v [B, KV, T, hd] (query head h reads KV head
-    h // (H/KV), as SDPA's enable_gqa); scale 1/sqrt(hd). Returns [B, H, T, hd].
+    h // (H/KV), as SDPA's enable_gqa); scale 1/sqrt(hd) unless given; a sliding `window` limits each
+    query to itself and the window - 1 keys before it. Returns [B, H, T, hd].
 
     Queries are processed `chunk` rows at a time against the keys they can see, so the largest
     temporary is [B, H, chunk, T] -- never the [B, H, T, T] score matrix.
@@ -226,12 +233,12 @@ def causal_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch, heads, seq_len, head_dim = q.shape
     work = compute_dtype(q.dtype)
     keys, values = contiguous(k.to(work)), contiguous(v.to(work))
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out, out_by_group = _sequence_major_empty(batch, heads, groups, seq_len, head_dim, q.dtype, q.device)
     for start in range(0, seq_len, chunk):
         stop = min(start + chunk, seq_len)
         probs = _causal_probabilities(_query_chunk(q, start, stop, groups).to(work), keys[:, :, :stop],
-                                      start, stop, groups, scale)
+                                      start, stop, groups, scale, window)
         out_chunk = matmul(probs, values[:, :, :stop])
         del probs
         out_by_group[:, :, :, start:stop] = out_chunk.view(batch, heads // groups, groups, stop - start, head_dim)
@@ -239,8 +246,8 @@ def causal_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def causal_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                              grad_out: torch.Tensor, chunk: int
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              grad_out: torch.Tensor, chunk: int, window: int | None = None,
+                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dq, dL/dk, dL/dv of causal_attention_forward, given its output `out` and dL/d(out).
 
     Per query chunk the probabilities P are recomputed (Appendix A.2) and
@@ -252,7 +259,7 @@ def causal_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_heads = heads // groups
     work = compute_dtype(q.dtype)
     keys, values = contiguous(k.to(work)), contiguous(v.to(work))
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     grad_q, grad_q_by_group = _sequence_major_empty(batch, heads, groups, seq_len, head_dim, q.dtype, q.device)
     grad_k, grad_v = (_zeros(keys.shape, work, q.device) for _ in range(2))
     for start in range(0, seq_len, chunk):
@@ -265,7 +272,7 @@ def causal_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                                                   out=products)
         correction = products.sum(-1, keepdim=True)
         del products, out_chunk
-        probs = _causal_probabilities(q_chunk, keys[:, :, :stop], start, stop, groups, scale)
+        probs = _causal_probabilities(q_chunk, keys[:, :, :stop], start, stop, groups, scale, window)
         grad_v[:, :, :stop] += matmul(probs.transpose(-1, -2), grad_out_chunk)
         grad_scores = matmul(grad_out_chunk, values[:, :, :stop].transpose(-1, -2))
         grad_scores.sub_(correction).mul_(probs).mul_(scale)
@@ -309,6 +316,25 @@ def swiglu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor
     grad_up = grad_out.mul_(silu)
     derivative.addcmul_(derivative, silu, value=-1).add_(silu)  # sig - sig*silu + silu
     return grad_gate.mul_(derivative), grad_up
+
+
+def geglu_forward(gate: torch.Tensor, up: torch.Tensor, overwrite_inputs: bool = False) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's GeGLU), torch's own GELU kernel as the model's MLP uses it."""
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def geglu_backward(gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor,
+                   overwrite_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """dL/dgate, dL/dup of gelu_tanh(gate) * up: d_up = g * gelu(gate), d_gate = gelu'(gate) * g * up, the
+    derivative by torch's own GELU backward kernel (what autograd computes)."""
+    grad_up = F.gelu(gate, approximate="tanh").mul_(grad_out)
+    grad_gate = torch.ops.aten.gelu_backward(grad_out * up, gate, approximate="tanh")
+    return grad_gate, grad_up
+
+
+# The gated MLP's activation by LlamaConfig.hidden_activation: (forward, backward), each taking gate and up
+# [N, intermediate] (and dL/d(out)) with the overwrite_inputs contract of swiglu_forward / swiglu_backward.
+GATED_ACTIVATIONS = {"silu": (swiglu_forward, swiglu_backward), "gelu_pytorch_tanh": (geglu_forward, geglu_backward)}
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

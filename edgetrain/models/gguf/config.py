@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, StringArray
-from edgetrain.models.decoders import architecture_names, decoder_architecture
+from edgetrain.models.decoders import gguf_architectures
 from edgetrain.models.llama import ConfigError, LlamaConfig
 
 # LlamaConfig field -> the GGUF key (after "{arch}.") it came from, to name the key in a config error.
@@ -63,9 +63,9 @@ def metadata_str(gguf: GGUFFile, key: str, default: str | None = None) -> str:
 
 def architecture(gguf: GGUFFile) -> str:
     arch = metadata_str(gguf, "general.architecture")
-    if arch not in architecture_names():
+    if arch not in gguf_architectures():
         raise GGUFError(f"{gguf.path}: general.architecture {arch!r} is not supported; edgetrain loads GGUF "
-                        f"models of architecture {', '.join(architecture_names())}")
+                        f"models of architecture {', '.join(sorted(gguf_architectures()))}")
     return arch
 
 
@@ -91,11 +91,20 @@ def _vocab_size(gguf: GGUFFile, arch: str) -> int:
     return rows
 
 
-def _refuse_unsupported_features(gguf: GGUFFile, arch: str) -> None:
+def _linear_rope_scaling(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """`linear` RoPE scaling (Gemma 3 at 4B and up: positions divided by the factor); other types are refused
+    (Llama 3's reaches a GGUF as rope_freqs.weight, read by _rope_scaling)."""
     scaling = metadata_str(gguf, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise GGUFError(f"{gguf.path}: metadata {arch}.rope.scaling.type = {scaling!r}: RoPE scaling from GGUF "
-                        "is not supported yet")
+    if scaling == "none":
+        return None
+    if scaling != "linear":
+        raise GGUFError(f"{gguf.path}: metadata {arch}.rope.scaling.type = {scaling!r}: only linear RoPE scaling "
+                        "is supported from GGUF metadata")
+    factor = metadata_float(gguf, f"{arch}.rope.scaling.factor")
+    return None if factor == 1.0 else {"rope_type": "linear", "factor": factor}
+
+
+def _refuse_unsupported_features(gguf: GGUFFile, arch: str) -> None:
     if metadata_int(gguf, f"{arch}.expert_count", 0):
         raise GGUFError(f"{gguf.path}: metadata {arch}.expert_count > 0: mixture-of-experts models are not supported")
 
@@ -124,6 +133,7 @@ def _rope_scaling(gguf: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]
 
 def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
     arch = architecture(gguf)
+    decoder = gguf_architectures()[arch]
     _refuse_unsupported_features(gguf, arch)
     hidden = metadata_int(gguf, f"{arch}.embedding_length")
     heads = metadata_int(gguf, f"{arch}.attention.head_count")
@@ -146,13 +156,18 @@ def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
         raise GGUFError(f"{gguf.path}: metadata {arch}.rope.dimension_count {rope_dims} differs from the head "
                         f"size {head_dim}; partial rotary embeddings are not supported")
     theta = metadata_float(gguf, f"{arch}.rope.freq_base", 10000.0)
-    rope_scaling = _rope_scaling(gguf, theta, head_dim)
+    rope_scaling = _rope_scaling(gguf, theta, head_dim) or _linear_rope_scaling(gguf, arch)
+    layers = metadata_int(gguf, f"{arch}.block_count")
+    own: dict[str, Any] = {}
+    if decoder.gguf_fields is not None:
+        own = decoder.gguf_fields(lambda key, default: gguf.metadata.get(f"{arch}.{key}", default), layers, hidden,
+                                  heads, head_dim)
     try:
-        return decoder_architecture(arch).config(
+        return decoder.config(
             vocab_size=_vocab_size(gguf, arch),
             hidden_size=hidden,
             intermediate_size=metadata_int(gguf, f"{arch}.feed_forward_length"),
-            num_hidden_layers=metadata_int(gguf, f"{arch}.block_count"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=metadata_int(gguf, f"{arch}.attention.head_count_kv", heads),
             head_dim=head_dim,
@@ -161,6 +176,7 @@ def config_from_metadata(gguf: GGUFFile) -> LlamaConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in gguf.tensors,
             max_position_embeddings=metadata_int(gguf, f"{arch}.context_length"),
+            **own,
         )
     except ConfigError as exc:
         field = str(exc).split("'")[1] if str(exc).count("'") >= 2 else ""

@@ -42,13 +42,20 @@ BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
-def gguf_name_to_edgetrain(name: str) -> str | None:
-    """The decoder parameter a llama.cpp tensor name stands for; None if it names none."""
+def block_tensors(config: LlamaConfig | None = None) -> dict[str, str]:
+    """llama.cpp's block tensor names -> the block's module paths, for the config's architecture."""
+    return {**BLOCK_TENSORS, **(architecture_of(config).gguf_block_tensors if config is not None else {})}
+
+
+def gguf_name_to_edgetrain(name: str, config: LlamaConfig | None = None) -> str | None:
+    """The decoder parameter a llama.cpp tensor name stands for (in the config's architecture); None if it
+    names none."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     match = _BLOCK_NAME.fullmatch(name)
-    if match and match.group(2) in BLOCK_TENSORS:
-        return f"blocks.{int(match.group(1))}.{BLOCK_TENSORS[match.group(2)]}.{match.group(3)}"
+    modules = block_tensors(config)
+    if match and match.group(2) in modules:
+        return f"blocks.{int(match.group(1))}.{modules[match.group(2)]}.{match.group(3)}"
     return None
 
 
@@ -100,7 +107,7 @@ def plan_tensors(gguf: GGUFFile, config: LlamaConfig,
     for info in gguf.tensors.values():
         if info.name in CONFIG_TENSORS:  # read into the config (config_from_metadata)
             continue
-        target = gguf_name_to_edgetrain(info.name)
+        target = gguf_name_to_edgetrain(info.name, config)
         if target is None or target not in expected:
             raise GGUFError(f"{gguf.path}: tensor {info.name!r} does not belong to a "
                             f"{config.num_hidden_layers}-layer {config.model_type} decoder")

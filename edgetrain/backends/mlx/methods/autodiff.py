@@ -22,9 +22,8 @@ def full_forward(model: nn.Module, inputs: mx.array) -> mx.array:
 
 def checkpointed_forward(model: nn.Module, inputs: mx.array) -> mx.array:
     h = model.embed(inputs)
-    rope = model.rope(h.shape[1], h.dtype)
-    for block in model.blocks:
-        def run(params: dict, hidden: mx.array, block: nn.Module = block) -> mx.array:
+    for block, rope in zip(model.blocks, model.block_ropes(h.shape[1], h.dtype)):
+        def run(params: dict, hidden: mx.array, block: nn.Module = block, rope: tuple = rope) -> mx.array:
             block.update(params)
             return block(hidden, rope)
 

@@ -39,15 +39,16 @@ BlockGradientsHook = Callable[[int, dict[str, mx.array]], None]
 
 
 def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weight: mx.array,
-                    targets: mx.array, chunk: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK
-                    ) -> tuple[mx.array, mx.array]:
+                    targets: mx.array, chunk: int, vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+                    soft_cap: float | None = None) -> tuple[mx.array, mx.array]:
     """Mean next-token cross-entropy of (rms_norm(hidden) @ lm_weight^T) against `targets` (-100 =
     no target) and dL/dhidden, with at most a [chunk, vocab_chunk] logits tile alive.
 
     As FlashAttention over the vocabulary: a running max, sum_v exp(l_v - max) and
     sum_v exp(l_v - max) W_v over the non-target entries, then
       loss = log(1 + sum_{v != t} exp(l_v - l_t)),  dL/dn = (sum_{v != t} p_v W_v - (1 - p_t) W_t) / N,
-    the target's own term added exactly at the end (no cancellation when p_t ~ 1)."""
+    the target's own term added exactly at the end (no cancellation when p_t ~ 1). `soft_cap`: logits
+    cap * tanh(z / cap), each row weighed by the cap's slope 1 - tanh^2 (as the torch loss)."""
     if chunk < 1 or vocab_chunk < 1:
         raise ValueError(f"loss chunk sizes must be positive, got chunk={chunk}, vocab_chunk={vocab_chunk}")
     dtype, work = hidden.dtype, compute_dtype(hidden.dtype)
@@ -73,6 +74,10 @@ def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weig
         for vocab_start in range(0, vocab_size, vocab_chunk):
             weight_block = lm_weight[vocab_start:vocab_start + vocab_chunk]
             logits = (normed @ weight_block.T).astype(work)
+            slopes = None
+            if soft_cap is not None:
+                capped = mx.tanh(logits / soft_cap)
+                slopes, logits = 1 - capped * capped, capped * soft_cap
             width = logits.shape[1]
             in_tile = (safe_targets >= vocab_start) & (safe_targets < vocab_start + width)
             tile_targets = mx.clip(safe_targets - vocab_start, 0, width - 1)
@@ -83,7 +88,8 @@ def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weig
             is_target = (mx.arange(width)[None, :] == tile_targets) & in_tile
             exps = mx.where(is_target, 0.0, exps)
             other_exp_sum = other_exp_sum * rescale + mx.sum(exps, axis=1, keepdims=True)
-            other_weighted_rows = other_weighted_rows * rescale + exps @ weight_block.astype(work)
+            weighted = exps if slopes is None else exps * slopes
+            other_weighted_rows = other_weighted_rows * rescale + weighted @ weight_block.astype(work)
             running_max = new_max
             # One tile alive at a time: without this, the lazy graph would hold every tile.
             evaluate(running_max, target_logits, other_exp_sum, other_weighted_rows)
@@ -94,6 +100,8 @@ def chunked_lm_loss(hidden: mx.array, norm_weight: mx.array, eps: float, lm_weig
         loss_sum = loss_sum + mx.sum(mx.where(chunk_valid, token_loss, 0.0)).astype(mx.float32)
         row_weight = chunk_valid.astype(work) * inverse_count
         target_rows = lm_weight[safe_targets[:, 0]].astype(work)
+        if soft_cap is not None:  # the target's own slope
+            target_rows = target_rows * (1 - (target_logits / soft_cap) ** 2)
         grad_normed = ((other_weighted_rows - target_rows * other_exp_sum) * (row_weight / exp_sum)).astype(dtype)
         grad_chunks.append(rms_norm_backward(hidden_chunk, norm_weight, eps, grad_normed))
         evaluate(loss_sum, grad_chunks[-1])
@@ -150,22 +158,22 @@ class StructuredBackprop:
         model = self.model
         chunks = dict(attention_chunk=self.attention_chunk, mlp_chunk=self.mlp_chunk)
         hidden = model.embed(inputs)
-        rope = model.rope(hidden.shape[1], hidden.dtype)
-        mx.eval(hidden, rope)
+        ropes = model.block_ropes(hidden.shape[1], hidden.dtype)
+        mx.eval(hidden, ropes)
         weights = [BlockWeights.from_block(block, f"blocks.{i}") for i, block in enumerate(model.blocks)]
         block_inputs: list[mx.array] = []
-        for block_weights in weights:
+        for block_weights, rope in zip(weights, ropes):
             block_inputs.append(hidden)
             hidden = block_forward(block_weights, hidden, rope, **chunks)
             mx.eval(hidden)
         loss, grad = chunked_lm_loss(hidden, model.head.norm.weight, model.head.norm.eps, model.lm_head_weight(),
-                                     targets, self.loss_chunk, self.vocab_chunk)
+                                     targets, self.loss_chunk, self.vocab_chunk, model.config.final_logit_softcapping)
         mx.eval(loss, grad)
         del hidden
         clear_memory()
         for index in reversed(range(len(weights))):
             block_input = block_inputs.pop()
-            grad, block_grads = block_backward(weights[index], block_input, grad, rope,
+            grad, block_grads = block_backward(weights[index], block_input, grad, ropes[index],
                                                store_lora_projection=self.store_lora_projection, **chunks)
             del block_input
             on_block_gradients(index, {f"blocks.{index}.{local}": g for local, g in block_grads.items()})

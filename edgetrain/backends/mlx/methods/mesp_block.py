@@ -23,8 +23,8 @@ from edgetrain.backends.mlx.methods.mesp_ops import (LinearWeights, causal_atten
                                                      causal_attention_forward, linear_group_backward,
                                                      linear_group_forward, linear_group_input_grad,
                                                      lora_group_backward, rms_norm_backward, rms_norm_forward,
-                                                     rope_backward, rope_forward, swiglu_backward, swiglu_forward)
-from edgetrain.backends.mlx.model import DecoderBlock
+                                                     rope_backward, rope_forward, GATED_ACTIVATIONS)
+from edgetrain.backends.mlx.model import ACTIVATIONS, DecoderBlock
 from edgetrain.backends.mlx.quantize import QuantizedLinear
 from edgetrain.models.lora import LORA_TARGETS
 from edgetrain.registry import EdgetrainError
@@ -62,6 +62,13 @@ class BlockWeights:
     head_dim: int
     q_norm: mx.array | None = None  # Qwen3's head norms over q and k before RoPE; None where there are none
     k_norm: mx.array | None = None
+    # The rest as edgetrain.methods.mesp.block.BlockWeights (Gemma 3's features); post_attention_norm is the
+    # MLP's input norm.
+    attention_output_norm: mx.array | None = None
+    mlp_output_norm: mx.array | None = None
+    activation: str = "silu"
+    sliding_window: int | None = None
+    attention_scale: float | None = None
 
     @classmethod
     def from_block(cls, block: nn.Module, where: str = "block") -> "BlockWeights":
@@ -69,14 +76,19 @@ class BlockWeights:
             raise EdgetrainError(f"{where} is a {type(block).__name__}, not an MLX DecoderBlock")
         attn = block.self_attn
         head_norms = [attn[name] if name in attn else None for name in ("q_norm", "k_norm")]
-        norms = [block.input_layernorm, block.post_attention_layernorm, *(n for n in head_norms if n is not None)]
+        output_norms = ([block.post_attention_layernorm, block.post_feedforward_layernorm] if block.sandwich
+                        else [None, None])
+        norms = [block.input_layernorm, block.mlp_input_norm, *(n for n in head_norms + output_norms if n is not None)]
         if len({norm.eps for norm in norms}) > 1:
             raise EdgetrainError(f"{where}: its RMSNorms use different eps")
         linears = {name: linear_weights(_module_at(block, LORA_TARGETS[name]), f"{where}.{LORA_TARGETS[name]}")
                    for name in PROJECTIONS}
-        q_norm, k_norm = (None if n is None else n.weight for n in head_norms)
+        q_norm, k_norm, attention_output_norm, mlp_output_norm = (
+            None if n is None else n.weight for n in head_norms + output_norms)
+        activation = next(name for name, function in ACTIVATIONS.items() if function is block.mlp.activation)
         return cls(norms[0].weight, norms[1].weight, float(norms[0].eps), linears,
-                   attn.num_heads, attn.num_kv_heads, attn.head_dim, q_norm, k_norm)
+                   attn.num_heads, attn.num_kv_heads, attn.head_dim, q_norm, k_norm, attention_output_norm,
+                   mlp_output_norm, activation, attn.sliding_window, attn.scale)
 
 
 def _check_chunk(name: str, value: int) -> None:
@@ -102,17 +114,22 @@ def _attention_half(weights: BlockWeights, flat_x: mx.array, batch: int, seq_len
     q = rope_forward(q.transpose(0, 2, 1, 3), cos, sin)
     k = rope_forward(k.transpose(0, 2, 1, 3), cos, sin)
     v = v.reshape(batch, seq_len, kv_heads, head_dim).transpose(0, 2, 1, 3)
-    attention = causal_attention_forward(q, k, v, attention_chunk)
+    attention = causal_attention_forward(q, k, v, attention_chunk, weights.sliding_window, weights.attention_scale)
     attention_flat = attention.transpose(0, 2, 1, 3).reshape(batch * seq_len, heads * head_dim)
     (o,), o_projection = linear_group_forward(attention_flat, [lin["o"]])
-    return q, k, v, attention, attention_flat, flat_x + o, qkv_projection, o_projection, q_raw, k_raw
+    o_out = None
+    if weights.attention_output_norm is not None:  # its backward reads its input: the o projection, kept
+        o_out, o = o, rms_norm_forward(o, weights.attention_output_norm, weights.eps)
+    return q, k, v, attention, attention_flat, flat_x + o, qkv_projection, o_projection, q_raw, k_raw, o_out
 
 
 def _mlp_forward(weights: BlockWeights, h1_chunk: mx.array) -> mx.array:
     lin = weights.linears
     normed = rms_norm_forward(h1_chunk, weights.post_attention_norm, weights.eps)
     (gate, up), _ = linear_group_forward(normed, [lin["gate"], lin["up"]])
-    (down,), _ = linear_group_forward(swiglu_forward(gate, up), [lin["down"]])
+    (down,), _ = linear_group_forward(GATED_ACTIVATIONS[weights.activation][0](gate, up), [lin["down"]])
+    if weights.mlp_output_norm is not None:
+        down = rms_norm_forward(down, weights.mlp_output_norm, weights.eps)
     return h1_chunk + down
 
 
@@ -162,23 +179,28 @@ def block_backward(weights: BlockWeights, x: mx.array, grad_out: mx.array, rope:
 
     flat_x = x.reshape(batch * seq_len, dim)
     flat_grad = grad_out.reshape(batch * seq_len, dim)
-    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw = _attention_half(
+    q, k, v, attention, attention_flat, h1, qkv_projection, o_projection, q_raw, k_raw, o_out = _attention_half(
         weights, flat_x, batch, seq_len, rope, attention_chunk)
     if not store_lora_projection:
         qkv_projection = o_projection = None
     evaluate(q, k, v, attention, attention_flat, h1,
-             *[p for p in (qkv_projection, o_projection, q_raw, k_raw) if p is not None])
+             *[p for p in (qkv_projection, o_projection, q_raw, k_raw, o_out) if p is not None])
+    activation_forward, activation_backward = GATED_ACTIVATIONS[weights.activation]
 
     grad_h1_chunks = []
     for start in range(0, h1.shape[0], mlp_chunk):
         h1_chunk, grad_chunk = h1[start:start + mlp_chunk], flat_grad[start:start + mlp_chunk]
         normed = rms_norm_forward(h1_chunk, weights.post_attention_norm, weights.eps)
         (gate, up), gate_up_projection = linear_group_forward(normed, [lin["gate"], lin["up"]])
-        activation = swiglu_forward(gate, up)
-        down_grad_projection, down_grads = lora_group_backward(activation, [lin["down"]], [grad_chunk])
+        activation = activation_forward(gate, up)
+        grad_down = grad_chunk
+        if weights.mlp_output_norm is not None:  # down's output is recomputed: its norm's backward reads it
+            (down,), _ = linear_group_forward(activation, [lin["down"]])
+            grad_down = rms_norm_backward(down, weights.mlp_output_norm, weights.eps, grad_chunk)
+        down_grad_projection, down_grads = lora_group_backward(activation, [lin["down"]], [grad_down])
         collect(("down",), down_grads)
-        grad_activation = linear_group_input_grad([lin["down"]], [grad_chunk], down_grad_projection)
-        grad_gate, grad_up = swiglu_backward(gate, up, grad_activation)
+        grad_activation = linear_group_input_grad([lin["down"]], [grad_down], down_grad_projection)
+        grad_gate, grad_up = activation_backward(gate, up, grad_activation)
         grad_normed, gate_up_grads = linear_group_backward(
             normed, [lin["gate"], lin["up"]], [grad_gate, grad_up],
             projection=gate_up_projection if store_lora_projection else None)
@@ -189,12 +211,16 @@ def block_backward(weights: BlockWeights, x: mx.array, grad_out: mx.array, rope:
     del h1
     grad_h1 = mx.concatenate(grad_h1_chunks, axis=0) if len(grad_h1_chunks) > 1 else grad_h1_chunks[0]
 
-    grad_attention_flat, o_grads = linear_group_backward(attention_flat, [lin["o"]], [grad_h1], projection=o_projection)
+    grad_o = grad_h1
+    if o_out is not None:
+        grad_o = rms_norm_backward(o_out, weights.attention_output_norm, weights.eps, grad_h1)
+    grad_attention_flat, o_grads = linear_group_backward(attention_flat, [lin["o"]], [grad_o], projection=o_projection)
     collect(("o",), o_grads)
     evaluate(grad_attention_flat, *evaluated_sums())
     del attention_flat, o_projection
     grad_attention = grad_attention_flat.reshape(batch, seq_len, heads, head_dim).transpose(0, 2, 1, 3)
-    grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk)
+    grad_q, grad_k, grad_v = causal_attention_backward(q, k, v, attention, grad_attention, attention_chunk,
+                                                       weights.sliding_window, weights.attention_scale)
     del q, k, v, attention, grad_attention, grad_attention_flat
     grad_q = rope_backward(grad_q, cos, sin).transpose(0, 2, 1, 3)
     grad_k = rope_backward(grad_k, cos, sin).transpose(0, 2, 1, 3)

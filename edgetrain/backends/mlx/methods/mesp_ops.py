@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edgetrain.backends.mlx.model import rms_norm as rms_norm_forward  # noqa: F401 -- mesp.py imports it from here
-from edgetrain.backends.mlx.model import rotate_half
+from edgetrain.backends.mlx.model import gelu_tanh, rotate_half
 from edgetrain.backends.mlx.quantize import QuantizedLinear
 from edgetrain.backends.mlx.evaluation import evaluate
 
@@ -60,36 +60,42 @@ def _grouped(x: mx.array, kv_heads: int) -> mx.array:
     return x.reshape(batch, kv_heads, heads // kv_heads, seq_len, head_dim)
 
 
-def _causal_probabilities(q_chunk: mx.array, keys: mx.array, start: int, scale: float) -> mx.array:
-    """softmax(q k^T s) under the causal mask for query rows start:start+C against keys 0:stop.
-    q_chunk [B, KV, G, C, hd], keys [B, KV, 1, stop, hd] -> [B, KV, G, C, stop], fp32."""
+def _causal_probabilities(q_chunk: mx.array, keys: mx.array, start: int, scale: float,
+                          window: int | None = None) -> mx.array:
+    """softmax(q k^T s) under the causal mask (and a sliding `window`) for query rows start:start+C against
+    keys 0:stop. q_chunk [B, KV, G, C, hd], keys [B, KV, 1, stop, hd] -> [B, KV, G, C, stop], fp32."""
     scores = (q_chunk @ keys.swapaxes(-1, -2)) * scale
     rows, stop = scores.shape[-2], scores.shape[-1]
-    future = mx.arange(stop)[None, :] > (mx.arange(rows) + start)[:, None]
+    queries = (mx.arange(rows) + start)[:, None]
+    future = mx.arange(stop)[None, :] > queries
+    if window is not None:
+        future = future | (mx.arange(stop)[None, :] <= queries - window)
     scores = mx.where(future, mx.array(-mx.inf, dtype=scores.dtype), scores)
     return mx.softmax(scores, axis=-1)
 
 
-def causal_attention_forward(q: mx.array, k: mx.array, v: mx.array, chunk: int) -> mx.array:
+def causal_attention_forward(q: mx.array, k: mx.array, v: mx.array, chunk: int, window: int | None = None,
+                             scale: float | None = None) -> mx.array:
     """Causal softmax attention, q [B, H, T, hd], k/v [B, KV, T, hd]; query rows `chunk` at a time
     against the keys they can see, so the largest temporary is [B, H, chunk, T]. Returns [B, H, T, hd]."""
     batch, heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
     work = compute_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     grouped_q = _grouped(q, kv_heads).astype(work)
     keys, values = k[:, :, None].astype(work), v[:, :, None].astype(work)
     outputs = []
     for start in range(0, seq_len, chunk):
         stop = min(start + chunk, seq_len)
-        probs = _causal_probabilities(grouped_q[:, :, :, start:stop], keys[:, :, :, :stop], start, scale)
+        probs = _causal_probabilities(grouped_q[:, :, :, start:stop], keys[:, :, :, :stop], start, scale, window)
         outputs.append(probs @ values[:, :, :, :stop])
     out = mx.concatenate(outputs, axis=3) if len(outputs) > 1 else outputs[0]
     return out.reshape(batch, heads, seq_len, head_dim).astype(q.dtype)
 
 
 def causal_attention_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.array, grad_out: mx.array,
-                              chunk: int) -> tuple[mx.array, mx.array, mx.array]:
+                              chunk: int, window: int | None = None, scale: float | None = None
+                              ) -> tuple[mx.array, mx.array, mx.array]:
     """dL/dq, dL/dk, dL/dv of causal_attention_forward given its output and dL/d(out). Per query
     chunk P is recomputed (Appendix A.2):
       dV += P^T dO,  dS = P (dO V^T - rowsum(dO O)) s,  dQ = dS K,  dK += dS^T Q
@@ -97,7 +103,7 @@ def causal_attention_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.arr
     batch, heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
     work = compute_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(head_dim)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     grouped_q = _grouped(q, kv_heads).astype(work)
     grouped_out = _grouped(out, kv_heads).astype(work)
     grouped_grad = _grouped(grad_out, kv_heads).astype(work)
@@ -110,7 +116,7 @@ def causal_attention_backward(q: mx.array, k: mx.array, v: mx.array, out: mx.arr
         q_chunk = grouped_q[:, :, :, start:stop]
         grad_chunk = grouped_grad[:, :, :, start:stop]
         correction = mx.sum(grad_chunk * grouped_out[:, :, :, start:stop], axis=-1, keepdims=True)
-        probs = _causal_probabilities(q_chunk, keys[:, :, :, :stop], start, scale)
+        probs = _causal_probabilities(q_chunk, keys[:, :, :, :stop], start, scale, window)
         grad_v = grad_v.at[:, :, :stop].add(mx.sum(probs.swapaxes(-1, -2) @ grad_chunk, axis=2))
         grad_scores = probs * ((grad_chunk @ values[:, :, :, :stop].swapaxes(-1, -2)) - correction) * scale
         grad_q_chunks.append(grad_scores @ keys[:, :, :, :stop])
@@ -134,6 +140,23 @@ def swiglu_backward(gate: mx.array, up: mx.array, grad_out: mx.array) -> tuple[m
     sig = mx.sigmoid(gate)
     silu = gate * sig
     return grad_out * up * (sig + silu * (1 - sig)), grad_out * silu
+
+
+def geglu_forward(gate: mx.array, up: mx.array) -> mx.array:
+    return gelu_tanh(gate) * up
+
+
+def geglu_backward(gate: mx.array, up: mx.array, grad_out: mx.array) -> tuple[mx.array, mx.array]:
+    """dL/dgate, dL/dup of gelu_tanh(gate) * up: with u = c (x + a x^3), t = tanh(u),
+    gelu' = (1 + t) / 2 + x (1 - t^2) c (1 + 3 a x^2) / 2."""
+    c, a = math.sqrt(2 / math.pi), 0.044715
+    t = mx.tanh(c * (gate + a * gate * gate * gate))
+    derivative = 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * c * (1 + 3 * a * gate * gate)
+    return grad_out * up * derivative, grad_out * (0.5 * gate * (1 + t))
+
+
+# The gated MLP's activation by LlamaConfig.hidden_activation: (forward, backward).
+GATED_ACTIVATIONS = {"silu": (swiglu_forward, swiglu_backward), "gelu_pytorch_tanh": (geglu_forward, geglu_backward)}
 
 
 # -- linear layers with optional LoRA ------------------------------------------------------------------

@@ -51,8 +51,7 @@ class ZerothOrder:
         # set (left as one lazy graph, MLX may materialise many blocks' temporaries together).
         model = self.model
         hidden = model.embed(inputs)
-        rope = model.rope(hidden.shape[1], hidden.dtype)
-        for block in model.blocks:
+        for block, rope in zip(model.blocks, model.block_ropes(hidden.shape[1], hidden.dtype)):
             hidden = block(hidden, rope)
             mx.eval(hidden)
         loss = lm_loss(model.logits(hidden), targets)
