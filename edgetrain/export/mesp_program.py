@@ -180,6 +180,26 @@ def _check_model(model: nn.Module) -> None:
                           "too: freeze them (make_trainable(model, 'lora') does)")
     for index, block in enumerate(model.blocks):
         BlockWeights.from_block(block, f"blocks.{index}")  # refuses merged adapters, dropout, foreign layers
+    _refuse_features_the_program_lacks(model.config)
+
+
+# Decoder features the block program does not compute (Gemma 3's), by the config field that turns each on.
+_PROGRAM_LACKS = {"sandwich_norms": "norms on the attention's and the MLP's outputs",
+                  "scale_embeddings": "scaled token embeddings", "layer_types": "sliding-window layers",
+                  "final_logit_softcapping": "a soft-capped head", "query_pre_attn_scalar": "an attention scale"}
+
+
+def _refuse_features_the_program_lacks(config: Any) -> None:
+    lacking = [what for field, what in _PROGRAM_LACKS.items()
+               if getattr(config, field) not in (None, False) and not (
+                   field == "layer_types" and "sliding_attention" not in getattr(config, field))
+               and not (field == "query_pre_attn_scalar" and config.attention_scale == config.head_dim ** -0.5)]
+    if config.hidden_activation != "silu":
+        lacking.append(f"a {config.hidden_activation} MLP")
+    if lacking:
+        raise ExportError(f"export --method mesp: the native MeSP program does not compute {config.model_type}'s "
+                          f"{', '.join(lacking)}; train this model with edgetrain's torch or MLX mesp (the program "
+                          "covers llama, qwen2 and qwen3)")
 
 
 def _block_layout(model: nn.Module, config: MeSPConfig) -> tuple[BlockLayout, list[list[torch.Tensor]]]:

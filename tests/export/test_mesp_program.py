@@ -424,3 +424,14 @@ def test_todays_architectures_train_in_the_program_as_torch_mesp(name, tmp_path)
     loss_error, adapter_error, _, _ = _parity(program, weights, reference, 2)
     assert loss_error <= TOLERANCE
     assert adapter_error <= TOLERANCE
+
+
+def test_gemma3_is_refused_by_name_saying_what_the_program_lacks(tmp_path):
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "arch" / "gemma3.gguf"
+    model = make_trainable(edgetrain.load_model(fixture), "lora", rank=4)
+    with pytest.raises(ExportError, match="gemma3_text's norms on the attention's and the MLP's outputs, scaled "
+                                          "token embeddings, sliding-window layers, a gelu_pytorch_tanh MLP"):
+        export_mesp_program(model, BATCH, SEQ, tmp_path / "gemma.pte", delegate="none")
+    assert list(tmp_path.iterdir()) == []

@@ -1,7 +1,7 @@
-"""Today's architectures in the personaliser and in chat: the Qwen3 fixture (tests/fixtures/arch, its GGUF made by
-llama.cpp's converter with the model's chat template) renders chats as transformers does, stops a reply at its own
-end of turn, and a personaliser window on it trains, evaluates and gates with both figures in the event, its
-retain set answered through that template."""
+"""Today's architectures in the personaliser and in chat: the Qwen3 and Gemma 3 fixtures (tests/fixtures/arch, their
+GGUFs made by llama.cpp's converter with each model's chat template) render chats as transformers does, stop a
+reply at the model's own end of turn, and a personaliser window on each trains, evaluates and gates with both
+figures in the event, its retain set answered through that template."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chat_testkit import spy_on_generate_ids  # noqa: E402
 
 ARCH = Path(__file__).resolve().parents[1] / "fixtures" / "arch"
-CHATTY = ["qwen3"]  # the fixtures whose tokenizer carries a chat template
+# The fixtures whose tokenizer carries a chat template, and the end of turn that template writes.
+END_OF_TURN = {"qwen3": "<|im_end|>", "gemma3": "<end_of_turn>"}
+CHATTY = sorted(END_OF_TURN)
 CHAT = [{"role": "user", "content": "What is my cat called?"}]
 
 
@@ -33,7 +35,7 @@ def test_a_chat_renders_as_transformers_renders_it_and_stops_at_the_models_end_o
     expected = theirs.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     assert chat_prompt(model.tokenizer, CHAT).ids == list(expected)
-    end_of_turn = model.tokenizer.encode("<|im_end|>")
+    end_of_turn = model.tokenizer.encode(END_OF_TURN[name])
     assert len(end_of_turn) == 1
     spy = spy_on_generate_ids(monkeypatch, generation)
     bias = torch.zeros(model.config.vocab_size)
