@@ -1,5 +1,5 @@
 """Named decoder presets: published shapes of real models (random init, for profiling and benchmarks without
-weights: Qwen2.5, Qwen3, Llama 3.2) and `tiny`. DECODER_PRESETS maps each name to its config."""
+weights: Qwen2.5, Qwen3, Llama 3.2, Gemma 3) and `tiny`. DECODER_PRESETS maps each name to its config."""
 from __future__ import annotations
 
 from functools import partial
@@ -7,6 +7,7 @@ from typing import Callable
 
 from edgetrain.models.decoders import architecture_names, config_from_hf_dict
 from edgetrain.models.llama import LlamaConfig, LlamaModel
+from edgetrain.models.gemma3 import Gemma3Config
 from edgetrain.models.qwen3 import Qwen3Config
 from edgetrain.models.zoo import ARCHITECTURES, MODEL_PRESETS
 
@@ -40,6 +41,10 @@ def llama32_config(name: str) -> LlamaConfig:
                        **LLAMA32_SHAPES[name])
 
 
+def gemma3_config(name: str) -> LlamaConfig:
+    return Gemma3Config(vocab_size=262144, max_position_embeddings=32768, **GEMMA3_SHAPES[name])
+
+
 def tiny_config() -> LlamaConfig:
     """Small enough for tests and the default demo, but with every feature of the real shapes:
     GQA (4 query heads over 2 KV heads), q/k/v bias, tied embeddings, byte-level vocab."""
@@ -62,11 +67,18 @@ LLAMA32_SHAPES = {
     "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                          num_key_value_heads=8, head_dim=128),
 }
+GEMMA3_SHAPES = {  # from Gemma 3's config.json files (Gemma3ForCausalLM, text only)
+    "gemma-3-270m": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256),
+    "gemma-3-1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256),
+}
 DECODER_PRESETS: dict[str, Callable[[], LlamaConfig]] = {
     "tiny": tiny_config,
     **{name: partial(qwen25_config, name) for name in QWEN25_SHAPES},
     **{name: partial(qwen3_config, name) for name in QWEN3_SHAPES},
     **{name: partial(llama32_config, name) for name in LLAMA32_SHAPES},
+    **{name: partial(gemma3_config, name) for name in GEMMA3_SHAPES},
 }
 
 

@@ -139,6 +139,8 @@ def test_presets_have_published_shapes():
 @pytest.mark.parametrize("name, parameters, model_type", [
     ("qwen3-0.6b", 596_049_920, "qwen3"),     # Qwen3-0.6B's published count (tied embedding once)
     ("llama-3.2-1b", 1_235_814_400, "llama"),  # Llama-3.2-1B's
+    ("gemma-3-270m", 268_098_176, "gemma3_text"),  # Gemma-3-270M's
+    ("gemma-3-1b", 999_885_952, "gemma3_text"),    # Gemma-3-1B's
 ])
 def test_todays_presets_have_published_shapes(name, parameters, model_type):
     from edgetrain.models.decoder_config import decoder_config
