@@ -201,6 +201,72 @@ def llama_cpp_logits(path: Path, ids: list[int], lora: Path | None = None) -> np
     return logits
 
 
+# SentencePiece vocabularies (tokenizer.ggml.model "llama", what Gemma and Llama 2 GGUFs carry): a BPE model
+# trained here with byte fallback and Gemma's turn markers, in a one-layer model of each kind (llama: a space
+# prefixed to each piece of text; gemma3: none), converted by llama.cpp's converter; llama.cpp's ids for TEXTS.
+SPM_MODELS = ("llama", "gemma3")
+SPM_EXTRA_TEXTS = ["<start_of_turn>user\nHello there<end_of_turn>\n<start_of_turn>model\n", "  two  spaces ",
+                   "tabs\tand\nnew lines", "\u2581already escaped \u2581", ""]
+
+
+def _spm_model(kind: str, vocab_size: int) -> Any:
+    import transformers
+
+    small = {**COMMON, "num_hidden_layers": 1, "vocab_size": vocab_size}
+    if kind == "gemma3":
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**small, head_dim=16,
+                                                                          query_pre_attn_scalar=16))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+
+
+def make_spm(out: Path, source: Path) -> dict:
+    import shutil
+    import tempfile
+
+    import sentencepiece
+    import torch
+
+    sys.path.insert(0, str(REPO / "tests"))
+    import gguf_testkit
+
+    texts = list(gguf_testkit.TEXTS) + SPM_EXTRA_TEXTS
+    result: dict[str, Any] = {"texts": texts, "models": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        prefix = Path(scratch) / "spm"
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(gguf_testkit.CORPUS * 4 + texts), model_prefix=str(prefix), vocab_size=400,
+            model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2,
+            user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], hard_vocab_limit=False)
+        processor = sentencepiece.SentencePieceProcessor(model_file=f"{prefix}.model")
+        vocab_size = processor.get_piece_size()
+        # As Gemma's tokenizer_config.json does: its turn markers are special (the converter makes them control).
+        turns = {str(processor.piece_to_id(piece)): {"content": piece, "special": True}
+                 for piece in ("<start_of_turn>", "<end_of_turn>")}
+        for kind in SPM_MODELS:
+            checkpoint = Path(scratch) / kind
+            torch.manual_seed(0)
+            _spm_model(kind, vocab_size).save_pretrained(checkpoint)
+            shutil.copyfile(f"{prefix}.model", checkpoint / "tokenizer.model")
+            (checkpoint / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": turns}))
+            gguf_path = out / f"spm-{kind}.gguf"
+            convert(source, checkpoint, gguf_path, "default")
+            ids = llama_cpp_token_ids(gguf_path, texts)
+            result["models"][kind] = {"gguf": gguf_path.name, "llama_cpp_ids": ids}
+            print(f"spm-{kind}: {gguf_path.name} ({gguf_path.stat().st_size / 1024:.0f} KiB)")
+    return result
+
+
+def llama_cpp_token_ids(path: Path, texts: list[str]) -> list[list[int]] | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False, n_threads=2, vocab_only=True)
+    ids = [[int(t) for t in llm.tokenize(text.encode(), add_bos=False, special=True)] for text in texts]
+    llm.close()
+    return ids
+
+
 def make(out: Path, source: Path) -> dict:
     import torch
 
@@ -229,6 +295,7 @@ def make(out: Path, source: Path) -> dict:
                                     "lora": lora_path.name}
         print(f"{name}: {checkpoint.name}/ and {gguf_path.name} ({gguf_path.stat().st_size / 1024:.0f} KiB)")
     np.savez_compressed(out / "logits.npz", tokens=np.array(ids, dtype=np.int32), **logits)
+    manifest["sentencepiece"] = make_spm(out, source)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 

@@ -187,17 +187,18 @@ def test_tokenizer_special_tokens_and_template(llama_file):
     assert tokenizer.chat_template.startswith("{% for m in messages %}")
 
 
-def test_sentencepiece_tokenizer_refused_by_name(tmp_path, caplog):
-    def sentencepiece(writer):
-        writer.kv_data[0]["tokenizer.ggml.model"].value = "llama"
+def test_a_tokenizer_model_edgetrain_does_not_build_is_refused_by_name(tmp_path, caplog):
+    """T5's unigram ("t5") is not built (SentencePiece "llama": tests/models/test_gguf_spm_tokenizer.py)."""
+    def unigram(writer):
+        writer.kv_data[0]["tokenizer.ggml.model"].value = "t5"
 
-    path = write_gguf(tmp_path / "sp.gguf", hf_model(), tweak=sentencepiece)
-    with pytest.raises(GGUFError, match="SentencePiece.*not supported yet"):
+    path = write_gguf(tmp_path / "t5.gguf", hf_model(), tweak=unigram)
+    with pytest.raises(GGUFError, match="'t5' is not supported; edgetrain builds byte-level BPE"):
         load_gguf_tokenizer(path)
     with caplog.at_level(logging.WARNING, logger="edgetrain"):
         model = edgetrain.load_model(path)  # the model itself still loads, without a tokenizer
     assert isinstance(model, LlamaModel) and isinstance(model_tokenizer(model), ByteTokenizer)
-    assert "'llama' is not supported yet" in caplog.text and str(path) in caplog.text
+    assert "'t5' is not supported yet" in caplog.text and str(path) in caplog.text
 
 
 def test_the_loaded_model_carries_its_tokenizer(llama_file):

@@ -3,8 +3,8 @@
 Supported: `tokenizer.ggml.model` "gpt2", byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen2): the token
 list, the merges, control tokens (token type 3) kept whole as special tokens and user-defined ones
 (type 4) as added tokens, the pre-tokenizer split chosen by `tokenizer.ggml.pre` -- the same choices
-transformers makes when it reads a GGUF, so both give the same ids. SentencePiece ("llama") vocabularies
-are refused by name for now.
+transformers makes when it reads a GGUF, so both give the same ids. SentencePiece ("llama": Gemma, Llama 2):
+edgetrain.models.gguf.spm_tokenizer, split as llama.cpp splits.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from edgetrain.models.gguf.reader import GGUFError, GGUFFile, StringArray, read_
 from edgetrain.registry import EdgetrainError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)  # tokenizer.ggml.model values this module builds
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values this module builds
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre`; any other value gets GPT-2's own split (ByteLevel's regex).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -179,12 +179,9 @@ def _byte_level_bpe(gguf: GGUFFile) -> Any:
 
 def gguf_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     kind = metadata_str(gguf, "tokenizer.ggml.model")
-    if kind == "llama":
-        raise GGUFError(f"{gguf.path}: tokenizer.ggml.model 'llama' (a SentencePiece vocabulary) is not "
-                        "supported yet; edgetrain builds byte-level BPE ('gpt2') tokenizers from GGUF")
     if kind not in SUPPORTED_TOKENIZER_MODELS:
         raise GGUFError(f"{gguf.path}: tokenizer.ggml.model {kind!r} is not supported; edgetrain builds "
-                        "byte-level BPE ('gpt2') tokenizers from GGUF")
+                        "byte-level BPE ('gpt2') and SentencePiece ('llama') tokenizers from GGUF")
     try:
         import tokenizers  # noqa: F401
     except ImportError:
@@ -194,7 +191,13 @@ def gguf_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     template = gguf.metadata.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise GGUFError(f"{gguf.path}: metadata 'tokenizer.chat_template' must be a string")
-    return GGUFTokenizer(gguf.path, _byte_level_bpe(gguf), _special_ids(gguf, len(tokens)), template)
+    if kind == "llama":
+        from edgetrain.models.gguf.spm_tokenizer import sentencepiece_bpe
+
+        backend = sentencepiece_bpe(gguf, tokens, _token_types(gguf, len(tokens)))
+    else:
+        backend = _byte_level_bpe(gguf)
+    return GGUFTokenizer(gguf.path, backend, _special_ids(gguf, len(tokens)), template)
 
 
 def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
