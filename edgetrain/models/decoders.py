@@ -10,12 +10,28 @@ from edgetrain.models.llama import ConfigError, LlamaConfig
 from edgetrain.registry import UnknownNameError
 
 
+# Architectures people ask for that edgetrain does not build (config.json model_type or GGUF general.architecture),
+# with what each would need: said by name instead of a bare "unsupported".
+NOT_BUILT = {
+    "phi3": "Phi-3 / Phi-4-mini fuse q/k/v and gate/up into single projections and scale RoPE with LongRoPE's "
+            "short and long factors; edgetrain's decoder has neither",
+    "smollm3": "SmolLM3 leaves RoPE out of every fourth layer (no_rope_layers); edgetrain's decoder rotates "
+               "every layer",
+    "gemma3": "this is a multimodal Gemma 3 checkpoint (text model nested in text_config); edgetrain reads the "
+              "text-only gemma3_text checkpoints (Gemma-3-270M, Gemma-3-1B) and Gemma 3 GGUF files",
+    "gemma2": "Gemma 2 soft-caps its attention logits; edgetrain builds Gemma 3",
+    "qwen3_moe": "Qwen3's mixture-of-experts models route tokens to experts; edgetrain builds dense decoders",
+}
+
+
 def decoder_architecture(model_type: Any, where: str = "config.json") -> DecoderArchitecture:
-    """The architecture named `model_type`; anything else is a ConfigError listing those edgetrain builds."""
+    """The architecture named `model_type`; anything else is a ConfigError listing those edgetrain builds
+    (and, for one it knows of, what it lacks)."""
     try:
         return DECODER_ARCHITECTURES.get(str(model_type))
     except UnknownNameError:
-        raise ConfigError(f"{where}: unsupported model_type {model_type!r}; edgetrain builds the decoder "
+        why = f" ({NOT_BUILT[str(model_type)]})" if str(model_type) in NOT_BUILT else ""
+        raise ConfigError(f"{where}: unsupported model_type {model_type!r}{why}; edgetrain builds the decoder "
                           f"architectures {', '.join(DECODER_ARCHITECTURES.names())}") from None
 
 

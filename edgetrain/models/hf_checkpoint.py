@@ -143,8 +143,10 @@ def load_checkpoint_dir(directory: str | Path, dtype: torch.dtype = torch.float3
     try:
         build = ARCHITECTURES.get(str(model_type))
     except UnknownNameError:
-        raise ConfigError(f"{directory / 'config.json'}: unsupported model_type {model_type!r}; "
-                          f"supported: {', '.join(ARCHITECTURES.names())}") from None
+        from edgetrain.models.decoders import decoder_architecture
+
+        decoder_architecture(model_type, str(directory / "config.json"))  # says what it lacks, or lists what is built
+        raise
     # Build on the meta device so the random init never costs memory or time; weights are then assigned.
     with meta_without_init():
         model = build(raw)

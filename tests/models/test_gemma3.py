@@ -101,3 +101,23 @@ def test_a_gguf_with_linear_rope_scaling_reads_it_and_other_types_are_refused(tm
         assert torch.equal(model(ids), rebuilt(ids)) and not torch.allclose(model(ids), plain(ids))
     with pytest.raises(GGUFError, match="rope.scaling.type = 'yarn': only linear"):
         edgetrain.load_model(write_gguf(tmp_path / "yarn.gguf", hf_model("llama"), tweak=scaled("yarn")))
+
+
+@pytest.mark.parametrize("model_type, said", [("phi3", "LongRoPE"), ("smollm3", "no_rope_layers"),
+                                              ("gemma3", "multimodal"), ("mistral", "builds the decoder")])
+def test_architectures_not_built_are_refused_saying_what_they_lack(tmp_path, model_type, said):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
+    with pytest.raises(ConfigError, match=f"unsupported model_type '{model_type}'.*{said}"):
+        edgetrain.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("arch, said", [("phi3", "LongRoPE"), ("smollm3", "no_rope_layers")])
+def test_gguf_architectures_not_built_are_refused_saying_what_they_lack(tmp_path, arch, said):
+    from gguf_testkit import hf_model, write_gguf
+    from edgetrain.models.gguf import GGUFError
+
+    def rename(writer):
+        writer.kv_data[0]["general.architecture"].value = arch
+
+    with pytest.raises(GGUFError, match=f"general.architecture '{arch}' is not supported.*{said}"):
+        edgetrain.load_model(write_gguf(tmp_path / "model.gguf", hf_model("llama"), tweak=rename))

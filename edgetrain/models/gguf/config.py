@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from edgetrain.models.gguf.reader import GGUFError, GGUFFile, StringArray
-from edgetrain.models.decoders import gguf_architectures
+from edgetrain.models.decoders import NOT_BUILT, gguf_architectures
 from edgetrain.models.llama import ConfigError, LlamaConfig
 
 # LlamaConfig field -> the GGUF key (after "{arch}.") it came from, to name the key in a config error.
@@ -64,7 +64,8 @@ def metadata_str(gguf: GGUFFile, key: str, default: str | None = None) -> str:
 def architecture(gguf: GGUFFile) -> str:
     arch = metadata_str(gguf, "general.architecture")
     if arch not in gguf_architectures():
-        raise GGUFError(f"{gguf.path}: general.architecture {arch!r} is not supported; edgetrain loads GGUF "
+        why = f" ({NOT_BUILT[arch]})" if arch in NOT_BUILT and arch != "gemma3" else ""
+        raise GGUFError(f"{gguf.path}: general.architecture {arch!r} is not supported{why}; edgetrain loads GGUF "
                         f"models of architecture {', '.join(sorted(gguf_architectures()))}")
     return arch
 
