@@ -321,19 +321,23 @@ def _carries_tangent(*tensors: torch.Tensor) -> bool:
 
 
 # The gated MLP's activations by config.hidden_activation: SwiGLU's and GeGLU's (Gemma's tanh GELU).
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 class GatedMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.activation = ACTIVATIONS[config.hidden_activation]
+        self.activation = config.hidden_activation  # a name, so that the module pickles
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nn.Module):

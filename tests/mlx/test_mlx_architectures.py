@@ -73,3 +73,19 @@ def test_mlx_gives_torchs_logits_loss_and_lora_gradients(name):
             expected_grad = torch_grad.numpy().T
             got_grad = np.array(grads[f"{head}.{part.lower()}"])
             assert np.abs(got_grad - expected_grad).max() <= 1e-4 * np.abs(expected_grad).max(), (method, parameter_name)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_the_models_copy_and_pickle_on_both_frameworks(name):
+    """What the learners' snapshots and the exporters do to a model (a function held by a module would not
+    copy on MLX, whose silu is a compiled function)."""
+    import copy
+    import pickle
+
+    torch_model = BUILDERS[name]()
+    mlx_model = from_torch(torch_model)
+    ids = mx.array(np.array([[1, 2, 3, 4, 5]], dtype=np.int32))
+    assert np.array_equal(np.array(copy.deepcopy(mlx_model)(ids)), np.array(mlx_model(ids)))
+    again = pickle.loads(pickle.dumps(torch_model))
+    with torch.no_grad():
+        assert torch.equal(again(torch.tensor([[1, 2, 3, 4, 5]])), torch_model(torch.tensor([[1, 2, 3, 4, 5]])))

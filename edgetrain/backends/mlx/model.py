@@ -121,13 +121,13 @@ ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": gelu_tanh}
 class GatedMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.activation = ACTIVATIONS[config.hidden_activation]
+        self.activation = config.hidden_activation  # a name: the module must copy and pickle (mx.compile'd silu cannot)
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nn.Module):

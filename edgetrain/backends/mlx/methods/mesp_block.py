@@ -24,7 +24,7 @@ from edgetrain.backends.mlx.methods.mesp_ops import (LinearWeights, causal_atten
                                                      linear_group_forward, linear_group_input_grad,
                                                      lora_group_backward, rms_norm_backward, rms_norm_forward,
                                                      rope_backward, rope_forward, GATED_ACTIVATIONS)
-from edgetrain.backends.mlx.model import ACTIVATIONS, DecoderBlock
+from edgetrain.backends.mlx.model import DecoderBlock
 from edgetrain.backends.mlx.quantize import QuantizedLinear
 from edgetrain.models.lora import LORA_TARGETS
 from edgetrain.registry import EdgetrainError
@@ -85,10 +85,9 @@ class BlockWeights:
                    for name in PROJECTIONS}
         q_norm, k_norm, attention_output_norm, mlp_output_norm = (
             None if n is None else n.weight for n in head_norms + output_norms)
-        activation = next(name for name, function in ACTIVATIONS.items() if function is block.mlp.activation)
         return cls(norms[0].weight, norms[1].weight, float(norms[0].eps), linears,
                    attn.num_heads, attn.num_kv_heads, attn.head_dim, q_norm, k_norm, attention_output_norm,
-                   mlp_output_norm, activation, attn.sliding_window, attn.scale)
+                   mlp_output_norm, block.mlp.activation, attn.sliding_window, attn.scale)
 
 
 def _check_chunk(name: str, value: int) -> None:
