@@ -51,7 +51,10 @@ def config_from_hf_dict(raw: dict[str, Any], where: str = "config.json") -> Llam
         raise ConfigError(f"{where} must hold a JSON object")
     architecture = decoder_architecture(raw.get("model_type"), where)
     values = architecture.config_class.hf_values(raw)
-    values.update(architecture.fixed)
+    # A fixed feature overrides what the file says, but a value of the wrong type (a JSON "false") stays, for the
+    # config's own check to refuse by name: the file is damaged, whatever the architecture fixes.
+    values.update({name: value for name, value in architecture.fixed.items()
+                   if name not in values or isinstance(values[name], type(value))})
     values["model_type"] = architecture.model_type
     return architecture.config_class.from_values(values)
 

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from edgetrain.data.batch import Batch
 from edgetrain.registry import EdgetrainError
-from edgetrain.training.checkpoint import ensure_writable_directory
+from edgetrain.files.space import check_free_space
+from edgetrain.training.checkpoint import ensure_writable_directory, rotating_checkpoint_paths
 from edgetrain.training.stats import StepStats
 from edgetrain.utils.logs import get_logger
 from edgetrain.utils.progress import progress_bar
@@ -31,6 +32,23 @@ class FittedLearner(Protocol):
     def step(self, batch: Batch) -> StepStats: ...
     def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]: ...
     def save_rotating(self, directory: str | Path, keep: int = 2) -> Path: ...
+    def checkpoint_bytes(self) -> int: ...
+
+
+KEPT_CHECKPOINTS = 2  # save_rotating's keep: the newest two stay, a third is written before the oldest goes
+
+
+def check_checkpoint_room(learner: FittedLearner, directory: str | Path, every: int) -> None:
+    """Refuse a run whose rotating checkpoints cannot fit on their disk, before the next one is due
+    (DiskFullError naming it, the bytes and the free space). The rotation holds KEPT_CHECKPOINTS and writes
+    one more before dropping the oldest; the ones already there count as written."""
+    present = len(rotating_checkpoint_paths(directory))
+    size = learner.checkpoint_bytes()
+    needed = size * max(1, KEPT_CHECKPOINTS + 1 - present)
+    due = max(-(-learner.steps_done // every) * every, every)
+    check_free_space(Path(directory) / f"step-{due:08d}.safetensors", needed,
+                     f"the rotating checkpoints ({KEPT_CHECKPOINTS + 1} at most at once, {size:,} bytes each), "
+                     "starting with")
 
 
 def fit_stream(learner: FittedLearner, stream: Iterable[Batch], max_steps: int, *, eval_every: int = 0,
@@ -49,6 +67,8 @@ def fit_stream(learner: FittedLearner, stream: Iterable[Batch], max_steps: int, 
                              "so no checkpoint would ever be written")
     if checkpoint_dir is not None:
         ensure_writable_directory(checkpoint_dir, "fit: checkpoint_dir")
+        # A lower bound here (an optimizer's state comes with the first step); exact after the run's first step.
+        check_checkpoint_room(learner, checkpoint_dir, checkpoint_every)
     if eval_every and eval_batches is None:
         raise EdgetrainError("fit: eval_every needs eval_batches")
     fingerprint = stream.fingerprint() if callable(getattr(stream, "fingerprint", None)) else None
@@ -64,6 +84,8 @@ def fit_stream(learner: FittedLearner, stream: Iterable[Batch], max_steps: int, 
                 break
             stats = learner.step(batch)
             history.append(stats)
+            if checkpoint_dir is not None and len(history) == 1:  # the checkpoint's size is now what it stays
+                check_checkpoint_room(learner, checkpoint_dir, checkpoint_every)
             bar.update()
             bar.set_postfix_str(f"loss {stats.loss:.4f}", refresh=False)
             for callback in callbacks:
@@ -74,7 +96,7 @@ def fit_stream(learner: FittedLearner, stream: Iterable[Batch], max_steps: int, 
                 metrics = learner.evaluate(eval_batches())
                 log.info("eval at step %d: %s", stats.step, ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             if checkpoint_every and stats.step % checkpoint_every == 0:
-                learner.save_rotating(checkpoint_dir)
+                learner.save_rotating(checkpoint_dir, keep=KEPT_CHECKPOINTS)
     return history
 
 

@@ -322,6 +322,13 @@ class Learner:
         self._restore(tensors, metadata, str(path))
         return self
 
+    def checkpoint_bytes(self) -> int:
+        """What a checkpoint of the learner as it is now takes on disk (its tensors and metadata; the safetensors
+        header adds a few hundred bytes a tensor)."""
+        tensors, metadata = self._checkpoint_payload()
+        return (sum(t.numel() * t.element_size() for t in tensors.values() if hasattr(t, "numel"))
+                + len(json.dumps(metadata)) + 256 * len(tensors))
+
     def save_rotating(self, directory: str | Path, keep: int = 2) -> Path:
         tensors, metadata = self._checkpoint_payload()
         return save_rotating(tensors, metadata, directory, self.steps_done, keep=keep)

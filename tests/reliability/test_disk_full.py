@@ -88,40 +88,84 @@ def _weights(checkpoint: Path) -> dict:
     return load_file(str(checkpoint))
 
 
-@pytest.mark.parametrize("way", ["tmpfs", "injected"])
-def test_train_on_a_filling_disk_stops_with_a_sentence_and_resumes_bit_for_bit(way, small_disk, tmp_path,
-                                                                               monkeypatch, capsys):
+def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_its_first_checkpoint(small_disk, tmp_path, capsys):
+    """The rotation keeps two checkpoints and writes a third before the oldest goes: 1.4 MB holds one 0.9 MB
+    checkpoint, not three, so the run is refused with the sizes once its first step has made the optimizer's
+    state (before it, the adapter alone fits), not after the steps of a first checkpoint."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text(CORPUS)
+    run = small_disk(1400) / "checkpoints"
+    assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)]) == 2
+    said = capsys.readouterr().err
+    assert "no space left on the device to write the rotating checkpoints (3 at most at once" in said
+    assert "step-00000001.safetensors" in said and "Traceback" not in said
+    assert list(run.iterdir()) == []  # nothing written
+
+
+def test_a_disk_that_fills_during_a_run_stops_it_with_a_sentence_and_it_resumes_bit_for_bit(small_disk, tmp_path):
+    """Another app fills the disk after the first checkpoint (a real tmpfs); the second save is refused by name,
+    the first checkpoint stays, and once space is freed the run resumes to the weights of a run never stopped."""
+    import torch
+
+    import edgetrain
+    from edgetrain.data import make_stream
+    from edgetrain.files.space import DiskFullError, free_bytes
+
+    def learner():
+        torch.manual_seed(0)
+        model = edgetrain.load_model("tiny")
+        edgetrain.add_lora(model, rank=4)
+        return edgetrain.Learner(model, method="mesp", optimizer="adamw", lr=1e-2, probe=False, threads=1)
+
+    def stream(start: int = 0):
+        return make_stream("text", batch_size=2, seq_len=32, vocab_size=256, start_index=start)
+
+    reference = tmp_path / "reference"
+    learner().fit(stream(), max_steps=4, checkpoint_every=1, checkpoint_dir=reference)
+    run = small_disk(8 * 1024) / "checkpoints"
+    filler = run.parent / "another-app.bin"
+
+    def fill_the_disk(_learner, stats):  # called after a step, before its checkpoint
+        if stats.step == 2:
+            filler.write_bytes(b"\0" * (free_bytes(run) - 64 * 1024))
+
+    interrupted = learner()
+    with pytest.raises(DiskFullError, match="step-00000002.safetensors: it needs"):
+        interrupted.fit(stream(), max_steps=4, checkpoint_every=1, checkpoint_dir=run, callbacks=[fill_the_disk])
+    assert sorted(p.name for p in run.iterdir()) == ["step-00000001.safetensors"]  # kept, no temp left
+    filler.unlink()  # space freed
+    resumed = learner()
+    resumed.resume(run)
+    resumed.fit(stream(resumed.stream_position), max_steps=4, checkpoint_every=1, checkpoint_dir=run)
+    ours, theirs = _weights(run / "step-00000004.safetensors"), _weights(reference / "step-00000004.safetensors")
+    assert set(ours) == set(theirs) and all(ours[name].equal(theirs[name]) for name in theirs)
+
+
+def test_train_on_a_filling_disk_stops_with_a_sentence_and_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text(CORPUS)
     reference = tmp_path / "reference"
     assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(reference)]) == 0
-    if way == "tmpfs":
-        disk = small_disk(1400)  # one 0.9 MB checkpoint fits, a second beside it does not
-        run = disk / "checkpoints"
-    else:
-        import edgetrain.files.atomic as atomic
+    import edgetrain.files.atomic as atomic
 
-        run = tmp_path / "checkpoints"
-        saves = []
-        real_write = atomic._atomic_write_file
+    run = tmp_path / "checkpoints"
+    saves = []
+    real_write = atomic._atomic_write_file
 
-        def second_save_fails(path, fill, needed):
-            saves.append(path)
-            if len(saves) == 2:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return real_write(path, fill, needed)
+    def second_save_fails(path, fill, needed):  # ENOSPC at the write, as NFS and some flash file systems say it
+        saves.append(path)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(path, fill, needed)
 
-        monkeypatch.setattr(atomic, "_atomic_write_file", second_save_fails)
+    monkeypatch.setattr(atomic, "_atomic_write_file", second_save_fails)
     capsys.readouterr()
     assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)]) == 2
     said = capsys.readouterr().err
     assert "no space left on the device to write" in said and "step-00000002.safetensors" in said
     assert "Traceback" not in said
     assert sorted(p.name for p in run.iterdir()) == ["step-00000001.safetensors"]  # kept, no temp left
-    if way == "tmpfs":
-        small_disk.resize(run.parent, 20 * 1024)  # space freed
-    else:
-        monkeypatch.undo()
+    monkeypatch.undo()
     assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)]) == 0
     resumed, uninterrupted = _weights(run / "step-00000004.safetensors"), _weights(reference / "step-00000004.safetensors")
     assert set(resumed) == set(uninterrupted)
