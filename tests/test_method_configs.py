@@ -69,7 +69,7 @@ def test_torch_mesp_takes_vocab_chunk_and_reads_the_head_that_many_rows_at_a_tim
     widths = []
     original = mesp_method.chunked_lm_loss
     monkeypatch.setattr(mesp_method, "chunked_lm_loss",
-                        lambda *args: widths.append(args[-1]) or original(*args))
+                        lambda *args, **options: widths.append(args[-1]) or original(*args, **options))
     _, grads = METHODS.get("mesp")(model, vocab_chunk=37).gradients(batch)
     assert widths == [37]
     for name, g in reference.items():
