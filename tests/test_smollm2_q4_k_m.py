@@ -29,6 +29,7 @@ def q4_k_m(smollm2_file, tmp_path_factory):
 
 
 def _eval(capsys, model, data, *flags) -> float:
+    capsys.readouterr()  # what earlier commands printed (train's summary line)
     assert main(["eval", "--model", str(model), "--data", str(data), "--seq", "128", "--batch", "2",
                  "--max-batches", "4", "--quiet", *flags]) == 0
     return json.loads(capsys.readouterr().out)["perplexity"]
