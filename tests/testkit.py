@@ -22,6 +22,15 @@ def text_token_batches(count: int, seq_len: int = 32, batch_size: int = 2, offse
     return batches
 
 
+def move_norms_off_one(model, std: float = 0.3) -> None:
+    """Add N(0, std) to every norm weight (transformers starts them at one, Gemma's w at zero), so that a norm
+    read or differentiated wrongly shows in the logits and gradients. Draws from torch's global generator."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape) * std)
+
+
 def random_lora_b(model, seed: int, scale: float) -> None:
     """A fresh LoRA B is zero, which makes every A gradient zero: useless for parity. Fill each B from its
     own seeded generator instead."""

@@ -10,6 +10,7 @@ from edgetrain.data.batch import Batch
 from edgetrain.methods import METHODS
 from edgetrain.methods.mesp.block import BlockWeights, block_backward, block_forward, rope_tables
 from edgetrain.models.llama import LlamaConfig, LlamaModel
+from testkit import move_norms_off_one
 
 # Chunk sizes that divide nothing in these tests, so every ragged last chunk is exercised.
 RAGGED = dict(attention_chunk=5, mlp_chunk=13, loss_chunk=7)
@@ -131,18 +132,20 @@ def test_untied_decoder_without_attention_bias_but_with_mlp_bias_matches_bp():
     assert_matches_bp(model, random_batch(97, seq_len=9), **RAGGED)
 
 
-def test_qwen3_head_norms_match_bp():
+def qwen3_decoder(seed: int, std: float = 0.2) -> LlamaModel:
     """Qwen3's RMSNorm over each head's q and k (before RoPE), with its own head size, no bias, untied."""
     from edgetrain.models.qwen3 import Qwen3Config
 
-    torch.manual_seed(8)
+    torch.manual_seed(seed)
     model = LlamaModel(Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    model.init_weights(std=0.1, seed=8)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn(param.shape) * 0.3)
+    model.init_weights(std=std, seed=seed)
+    move_norms_off_one(model)
+    return model
+
+
+def test_qwen3_head_norms_match_bp():
+    model = qwen3_decoder(8, std=0.1)
     assert model.blocks[0].self_attn.q_norm.weight.shape == (16,)
     assert_matches_bp(with_lora(model), random_batch(97), **RAGGED)
     assert_matches_bp(model, random_batch(97, seed=1))
@@ -160,10 +163,7 @@ def gemma3_decoder(seed: int, soft_cap: float | None = 3.0) -> LlamaModel:
                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     model = LlamaModel(config)
     model.init_weights(std=0.2, seed=seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn(param.shape) * 0.3)
+    move_norms_off_one(model)
     return model
 
 

@@ -21,22 +21,7 @@ from edgetrain.methods import METHODS  # noqa: E402
 from edgetrain.models.lora import lora_state_dict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "methods"))
-from test_mesp_parity import gemma3_decoder, random_batch  # noqa: E402
-
-
-def qwen3_decoder(seed: int):
-    from edgetrain.models.llama import LlamaModel
-    from edgetrain.models.qwen3 import Qwen3Config
-
-    torch.manual_seed(seed)
-    model = LlamaModel(Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    model.init_weights(std=0.2, seed=seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn(param.shape) * 0.3)
-    return model
+from test_mesp_parity import gemma3_decoder, qwen3_decoder, random_batch  # noqa: E402
 
 
 BUILDERS = {"gemma3": lambda: gemma3_decoder(9), "gemma3-uncapped": lambda: gemma3_decoder(9, None),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import edgetrain
+from testkit import move_norms_off_one
 from edgetrain.models.llama import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -21,10 +22,7 @@ def gemma3_checkpoint(directory, **overrides):
         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=5, max_position_embeddings=64,
         initializer_range=0.2), **overrides})
     model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn(param.shape) * 0.3)
+    move_norms_off_one(model)
     model.save_pretrained(directory)
     return model
 

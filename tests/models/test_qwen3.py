@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import edgetrain
+from testkit import move_norms_off_one
 from edgetrain.methods import METHODS
 
 transformers = pytest.importorskip("transformers")
@@ -19,10 +20,7 @@ def qwen3_checkpoint(directory, tie: bool = False):
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=64, tie_word_embeddings=tie, initializer_range=0.2)
     model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn(param.shape) * 0.3)
+    move_norms_off_one(model)
     model.save_pretrained(directory)
     return model
 

@@ -21,7 +21,7 @@ from edgetrain.models.gguf.reader import GGUFError, GGUFFile, StringArray, read_
 from edgetrain.registry import EdgetrainError
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values this module builds
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values this module builds (_TOKENIZER_BUILDERS)
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre`; any other value gets GPT-2's own split (ByteLevel's regex).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -177,6 +177,16 @@ def _byte_level_bpe(gguf: GGUFFile) -> Any:
     return backend
 
 
+def _sentencepiece(gguf: GGUFFile, tokens: Sequence[str], types: np.ndarray) -> Any:
+    from edgetrain.models.gguf.spm_tokenizer import sentencepiece_bpe
+
+    return sentencepiece_bpe(gguf, tokens, types)
+
+
+# tokenizer.ggml.model -> the builder of its backend (gguf, tokens, token types).
+_TOKENIZER_BUILDERS = {"gpt2": lambda gguf, tokens, types: _byte_level_bpe(gguf), "llama": _sentencepiece}
+
+
 def gguf_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     kind = metadata_str(gguf, "tokenizer.ggml.model")
     if kind not in SUPPORTED_TOKENIZER_MODELS:
@@ -191,12 +201,7 @@ def gguf_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     template = gguf.metadata.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise GGUFError(f"{gguf.path}: metadata 'tokenizer.chat_template' must be a string")
-    if kind == "llama":
-        from edgetrain.models.gguf.spm_tokenizer import sentencepiece_bpe
-
-        backend = sentencepiece_bpe(gguf, tokens, _token_types(gguf, len(tokens)))
-    else:
-        backend = _byte_level_bpe(gguf)
+    backend = _TOKENIZER_BUILDERS[kind](gguf, tokens, _token_types(gguf, len(tokens)))
     return GGUFTokenizer(gguf.path, backend, _special_ids(gguf, len(tokens)), template)
 
 
