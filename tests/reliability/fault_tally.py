@@ -15,10 +15,12 @@ from typing import Any, Callable, Iterator
 
 from edgetrain.registry import EdgetrainError
 
-# The fault classes of issue 20, the process killed or a save failing part-way, and (issue 40) files read as
-# text that are not text (docs/reliability.md has one row each).
+# The fault classes of issue 20, the process killed or a save failing part-way, (issue 40) files read as
+# text that are not text, and (issue 53) a full disk, the native runner's files and flags, and the MLX
+# exported functions (docs/reliability.md has one row each).
 CLASSES = ("checkpoint metadata", "non-finite numbers", "hostile model files", "adapters", "batches",
-           "resources and paths", "resume semantics", "kills and crashes", "text inputs")
+           "resources and paths", "resume semantics", "kills and crashes", "text inputs", "full disk",
+           "native runner", "MLX functions")
 FAILURES = ("unhandled", "silently wrong")
 # The long fuzz run (test_long_fuzz.py, marked slow) sets this to draw several times more examples.
 FUZZ_SCALE_VARIABLE = "EDGETRAIN_FUZZ_SCALE"
