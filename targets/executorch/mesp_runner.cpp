@@ -30,10 +30,13 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
+#include <csignal>
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "runner_io.h"
 
@@ -77,8 +80,7 @@ size_t element_size(ScalarType type) {
 class WeightsFile {
  public:
   explicit WeightsFile(const std::string& path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) throw InputError("cannot open the weights file " + path + ": " + std::strerror(errno));
+    const int fd = edgetrain::open_regular(path, "weights file");
     struct stat info {};
     ::fstat(fd, &info);
     size_ = static_cast<size_t>(info.st_size);
@@ -97,11 +99,13 @@ class WeightsFile {
     // The pages the checksum read are clean file pages: tell the kernel it may drop them until a step reads them.
     ::madvise(const_cast<unsigned char*>(base_), size_, MADV_DONTNEED);
     const uint32_t count = read<uint32_t>(12);
-    size_t offset = 24 + read<uint64_t>(16);
+    const uint64_t manifest = read<uint64_t>(16);
+    need(24, manifest);
+    size_t offset = 24 + manifest;
     for (uint32_t i = 0; i < count; ++i) {
       WeightsTensor t;
       const uint32_t name_length = read<uint32_t>(offset);
-      need(offset + 4 + name_length);
+      need(offset + 4, name_length);
       t.name.assign(reinterpret_cast<const char*>(base_ + offset + 4), name_length);
       offset += 4 + name_length;
       const uint32_t code = read<uint32_t>(offset), ndim = read<uint32_t>(offset + 4);
@@ -110,10 +114,15 @@ class WeightsFile {
                                          ScalarType::Char};
       if (code > 4 || ndim > 8) throw InputError(path_ + ": the header is damaged (tensor " + t.name + ")");
       t.type = types[code];
+      // A tensor's elements fit in the file, so a dimension or product past its size is damage; checked before
+      // multiplying so that no product wraps around to a small size over a huge shape.
       uint64_t numel = 1;
       for (uint32_t d = 0; d < ndim; ++d) {
         const int64_t dim = read<int64_t>(offset + 8 * d);
-        if (dim < 0) throw InputError(path_ + ": the header is damaged (tensor " + t.name + ")");
+        if (dim < 0 || dim > INT32_MAX || (dim > 0 && numel > size_ / static_cast<uint64_t>(dim))) {
+          throw InputError(path_ + ": the header is damaged (tensor " + t.name + " has a dimension of " +
+                           std::to_string(dim) + ")");
+        }
         t.sizes.push_back(static_cast<SizesType>(dim));
         numel *= static_cast<uint64_t>(dim);
       }
@@ -121,8 +130,11 @@ class WeightsFile {
       const uint64_t data_offset = read<uint64_t>(offset);
       t.nbytes = read<uint64_t>(offset + 8);
       offset += 16;
-      if (t.nbytes != numel * element_size(t.type) || data_offset + t.nbytes > size_) {
-        throw InputError(path_ + ": the header is damaged (tensor " + t.name + ")");
+      if (t.nbytes != numel * element_size(t.type) || data_offset > size_ || t.nbytes > size_ - data_offset ||
+          data_offset % element_size(t.type) != 0) {
+        throw InputError(path_ + ": the header is damaged (tensor " + t.name + ": " + std::to_string(t.nbytes) +
+                         " bytes at offset " + std::to_string(data_offset) + " of a " + std::to_string(size_) +
+                         "-byte file)");
       }
       t.data = base_ + data_offset;
       index_[t.name] = tensors_.size();
@@ -164,12 +176,15 @@ class WeightsFile {
   const std::string& path() const { return path_; }
 
  private:
-  void need(size_t end) const {
-    if (end > size_) throw InputError(path_ + ": the header is damaged (it runs past the end of the file)");
+  // Whether [offset, offset + length) lies in the file, without forming a sum that could wrap.
+  void need(uint64_t offset, uint64_t length) const {
+    if (offset > size_ || length > size_ - offset) {
+      throw InputError(path_ + ": the header is damaged (it runs past the end of the file)");
+    }
   }
   template <typename T>
   T read(size_t offset) const {
-    need(offset + sizeof(T));
+    need(offset, sizeof(T));
     T value;
     std::memcpy(&value, base_ + offset, sizeof(T));
     return value;
@@ -199,52 +214,120 @@ struct AdamW {
   }
 };
 
-// What training has changed: per block the adapter vector and its two AdamW moments, and the step count.
+// What training has changed: per block the adapter vector and its two AdamW moments, the step count, and the
+// CRC-32 of the batches it trained on (in order).
 struct State {
   uint64_t steps_done = 0;
+  uint32_t batches_crc = 0;
   std::vector<std::vector<float>> adapters, exp_avg, exp_avg_sq;
 };
 
-// "EDGECKP1", u32 CRC-32 of the rest, u32 program crc, u64 steps done, u64 blocks, u64 adapter numel, then
-// per block its adapters, exp_avg and exp_avg_sq (float32).
-std::string checkpoint_bytes(const State& state, const Shape& shape) {
+constexpr size_t kCheckpointHeader = 12 + 4 + 4 + 24 + 5 * 8;
+
+// "EDGECKP2", u32 CRC-32 of the rest, u32 program crc, u32 CRC-32 of the batches trained on, u64 steps done,
+// u64 blocks, u64 adapter numel, f64 lr, beta1, beta2, eps, weight decay, then per block its adapters, exp_avg
+// and exp_avg_sq (float32). A resume is bit for bit only on the same program, batches and settings, so all
+// three are recorded and checked.
+std::string checkpoint_bytes(const State& state, const Shape& shape, const AdamW& adamw) {
   std::string body;
   auto put = [&body](const void* p, size_t n) { body.append(static_cast<const char*>(p), n); };
   put(&shape.program_crc, 4);
+  put(&state.batches_crc, 4);
   put(&state.steps_done, 8);
   const uint64_t blocks = static_cast<uint64_t>(shape.blocks), numel = static_cast<uint64_t>(shape.adapter_numel);
   put(&blocks, 8);
   put(&numel, 8);
+  for (const double* setting : {&adamw.lr, &adamw.beta1, &adamw.beta2, &adamw.eps, &adamw.weight_decay}) {
+    put(setting, 8);
+  }
   for (int64_t b = 0; b < shape.blocks; ++b) {
     for (const auto* v : {&state.adapters[b], &state.exp_avg[b], &state.exp_avg_sq[b]}) put(v->data(), 4 * v->size());
   }
   const uint32_t crc = edgetrain::crc32(reinterpret_cast<const unsigned char*>(body.data()), body.size());
-  return std::string("EDGECKP1") + std::string(reinterpret_cast<const char*>(&crc), 4) + body;
+  return std::string("EDGECKP2") + std::string(reinterpret_cast<const char*>(&crc), 4) + body;
 }
 
-bool load_checkpoint(const std::string& path, const Shape& shape, State& state) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t numel = static_cast<size_t>(shape.adapter_numel), blocks = static_cast<size_t>(shape.blocks);
-  const size_t expected = 12 + 4 + 24 + blocks * 3 * 4 * numel;
-  if (data.size() < 12 || data.compare(0, 8, "EDGECKP1") != 0) throw InputError(path + ": not a runner checkpoint");
-  uint32_t crc, program_crc;
+uint32_t batches_crc(const edgetrain::BatchFile& batches, uint64_t count) {
+  return edgetrain::crc32(reinterpret_cast<const unsigned char*>(batches.data.data()), count * batches.batch_bytes);
+}
+
+// 17 significant digits by default: two settings that print alike are the same double.
+std::string setting_text(double value, int digits = 17) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.*g", digits, value);
+  return text;
+}
+
+// False where there is no checkpoint yet (a first run). Anything else that is not this run's own checkpoint is
+// refused, never trained over: the file is left as it is.
+bool load_checkpoint(const std::string& path, const std::string& batches_path, const edgetrain::BatchFile& batches,
+                     const Shape& shape, const AdamW& adamw, State& state) {
+  struct stat info {};
+  if (::lstat(path.c_str(), &info) != 0 && errno == ENOENT) return false;
+  const std::string data = edgetrain::read_regular(
+      path, "checkpoint", kCheckpointHeader + static_cast<uint64_t>(shape.blocks) * 12 * static_cast<uint64_t>(shape.adapter_numel));
+  if (data.size() >= 8 && data.compare(0, 8, "EDGECKP1") == 0) {
+    throw InputError(path + ": a checkpoint of an older edgetrain_mesp_runner, which did not record the batches and "
+                     "AdamW settings it trained with: it cannot be resumed bit for bit (remove it to start over)");
+  }
+  if (data.size() < 12 || data.compare(0, 8, "EDGECKP2") != 0) throw InputError(path + ": not a runner checkpoint");
+  uint32_t crc, program_crc, trained_crc;
   std::memcpy(&crc, data.data() + 8, 4);
-  if (data.size() != expected ||
+  if (data.size() < kCheckpointHeader ||
       edgetrain::crc32(reinterpret_cast<const unsigned char*>(data.data()) + 12, data.size() - 12) != crc) {
-    throw InputError(path + ": the checkpoint is damaged or truncated, or from a program of another shape");
+    throw InputError(path + ": the checkpoint is damaged or truncated (its checksum does not match)");
   }
   std::memcpy(&program_crc, data.data() + 12, 4);
   if (program_crc != shape.program_crc) throw InputError(path + ": a checkpoint of another program");
-  std::memcpy(&state.steps_done, data.data() + 16, 8);
-  const char* p = data.data() + 40;
-  for (size_t b = 0; b < blocks; ++b) {
-    for (auto* v : {&state.adapters[b], &state.exp_avg[b], &state.exp_avg_sq[b]}) {
-      std::memcpy(v->data(), p, 4 * numel);
-      p += 4 * numel;
+  std::memcpy(&trained_crc, data.data() + 16, 4);
+  uint64_t steps_done, blocks, numel;
+  std::memcpy(&steps_done, data.data() + 20, 8);
+  std::memcpy(&blocks, data.data() + 28, 8);
+  std::memcpy(&numel, data.data() + 36, 8);
+  const uint64_t want_blocks = static_cast<uint64_t>(shape.blocks), want_numel = static_cast<uint64_t>(shape.adapter_numel);
+  if (blocks != want_blocks || numel != want_numel || data.size() != kCheckpointHeader + want_blocks * 3 * 4 * want_numel) {
+    throw InputError(path + ": the checkpoint's sizes are not its program's (" + std::to_string(data.size()) +
+                     " bytes): damaged, or written by another program");
+  }
+  if (steps_done > batches.count) {
+    throw InputError(path + ": the checkpoint is after step " + std::to_string(steps_done) + ", but " + batches_path +
+                     " holds " + std::to_string(batches.count) + " batches: it trained on other batches");
+  }
+  if (batches_crc(batches, steps_done) != trained_crc) {
+    throw InputError(path + ": the checkpoint trained on other batches than the first " + std::to_string(steps_done) +
+                     " of " + batches_path);
+  }
+  const char* names[] = {"--lr", "--beta1", "--beta2", "--eps", "--weight-decay"};
+  const double wanted[] = {adamw.lr, adamw.beta1, adamw.beta2, adamw.eps, adamw.weight_decay};
+  for (size_t i = 0; i < 5; ++i) {
+    double recorded;
+    std::memcpy(&recorded, data.data() + 44 + 8 * i, 8);
+    if (std::memcmp(&recorded, &wanted[i], 8) != 0) {
+      throw InputError(path + ": the checkpoint was trained with " + names[i] + " " + setting_text(recorded) +
+                       ", not " + setting_text(wanted[i]) + ": resume with the same settings (or remove it to start over)");
     }
   }
+  std::vector<std::vector<float>> adapters(blocks), exp_avg(blocks), exp_avg_sq(blocks);
+  const char* p = data.data() + kCheckpointHeader;
+  for (size_t b = 0; b < blocks; ++b) {
+    for (auto* v : {&adapters[b], &exp_avg[b], &exp_avg_sq[b]}) {
+      v->resize(numel);
+      std::memcpy(v->data(), p, 4 * numel);
+      p += 4 * numel;
+      for (float x : *v) {
+        // A second moment is a mean of squares: negative, like non-finite, is damage.
+        if (!std::isfinite(x) || (v == &exp_avg_sq[b] && x < 0)) {
+          throw InputError(path + ": the checkpoint holds a non-finite or impossible value (block " +
+                           std::to_string(b) + "): damaged");
+        }
+      }
+    }
+  }
+  state.steps_done = steps_done;
+  state.batches_crc = trained_crc;
+  state.adapters = std::move(adapters);
+  state.exp_avg = std::move(exp_avg);
+  state.exp_avg_sq = std::move(exp_avg_sq);
   return true;
 }
 
@@ -261,7 +344,8 @@ class MeSPRunner {
       // The five methods share one activation arena, sized for the largest (the head's): they run one at a time
       // and every output that outlives its call is copied out first (copy_out). Each its own arena cost the
       // SmolLM2 runner 60 MiB.
-      : weights_(weights_path),
+      : program_path_(program_path),
+        weights_(weights_path),
         module_(program_path, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, /*share_memory_arenas=*/true),
         adamw_(adamw) {
     const std::vector<int64_t> meta = weights_.longs("program.meta");
@@ -269,20 +353,33 @@ class MeSPRunner {
       throw InputError(weights_path + ": not a MeSP program's weights file of format version " +
                        std::to_string(kFormatVersion));
     }
+    for (size_t i = 1; i < 7; ++i) {
+      if (meta[i] < 1 || meta[i] > INT32_MAX) {
+        throw InputError(weights_path + ": program.meta is damaged (a size of " + std::to_string(meta[i]) + ")");
+      }
+    }
+    if (meta[7] < 0 || meta[7] > UINT32_MAX) throw InputError(weights_path + ": program.meta is damaged");
     shape_ = {meta[1], meta[2], meta[3], meta[4], meta[5], meta[6], static_cast<uint32_t>(meta[7])};
-    std::ifstream program(program_path, std::ios::binary);
-    if (!program) throw InputError("cannot open the program " + program_path);
-    const std::string bytes((std::istreambuf_iterator<char>(program)), std::istreambuf_iterator<char>());
+    const std::string bytes = edgetrain::read_regular(program_path, "program");
     if (edgetrain::crc32(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) != shape_.program_crc) {
       throw InputError(program_path + " is not the program " + weights_path +
                        " was written with (another model or shape, or a damaged file): export them again together");
     }
-    if (module_.load() != executorch::runtime::Error::Ok) throw InputError("ExecuTorch cannot load " + program_path);
+    // The full flatbuffer check: the program is read from the app's files, which can be anything.
+    if (module_.load(executorch::runtime::Program::Verification::InternalConsistency) !=
+        executorch::runtime::Error::Ok) {
+      throw InputError("ExecuTorch cannot load " + program_path + ": damaged, or not a .pte");
+    }
     for (const char* method : {"embed", "block_forward", "block_backward", "head", "adamw"}) {
       if (module_.load_method(method) != executorch::runtime::Error::Ok) {
         throw InputError(program_path + ": no method " + std::string(method) + ": not a MeSP program");
       }
     }
+    // Sizes are allocated from program.meta below: they must be the program's own first.
+    const SizesType batch = static_cast<SizesType>(shape_.batch), seq = static_cast<SizesType>(shape_.seq);
+    expect_input("embed", 0, ScalarType::Long, {batch, seq});
+    expect_input("block_forward", 0, ScalarType::Float, {batch, seq, static_cast<SizesType>(shape_.hidden)});
+    expect_input("block_forward", 3, ScalarType::Float, {static_cast<SizesType>(shape_.adapter_numel)});
     embed_ = inputs("inputs.embed");
     head_ = inputs("inputs.head");
     for (int64_t b = 0; b < shape_.blocks; ++b) blocks_.push_back(inputs("inputs.block." + std::to_string(b)));
@@ -305,34 +402,39 @@ class MeSPRunner {
   const Shape& shape() const { return shape_; }
   State& state() { return state_; }
 
-  // One step on (inputs, targets) [batch, seq] int64; the loss before the update.
-  float step(const int64_t* ids, const int64_t* targets, uint64_t batch_index) {
+  // A batch's inputs then targets, [batch, seq] int64 each: ids in the vocabulary, targets too or -100.
+  void check_batch(const int64_t* ids, uint64_t batch_index, const std::string& path) const {
     const size_t tokens = static_cast<size_t>(shape_.batch * shape_.seq);
+    const int64_t* targets = ids + tokens;
     for (size_t i = 0; i < tokens; ++i) {
       if (ids[i] < 0 || ids[i] >= shape_.vocab || (targets[i] != -100 && (targets[i] < 0 || targets[i] >= shape_.vocab))) {
-        throw InputError("batch " + std::to_string(batch_index) + ": token id " +
+        throw InputError(path + ": batch " + std::to_string(batch_index) + ": token id " +
                          std::to_string(ids[i] < 0 || ids[i] >= shape_.vocab ? ids[i] : targets[i]) +
                          " outside the vocabulary [0, " + std::to_string(shape_.vocab) + ")");
       }
     }
+  }
+
+  // One step on (inputs, targets) [batch, seq] int64, checked by check_batch; the loss before the update.
+  float step(const int64_t* ids, const int64_t* targets, uint64_t batch_index) {
     const std::vector<SizesType> token_sizes = {static_cast<SizesType>(shape_.batch), static_cast<SizesType>(shape_.seq)};
     const std::vector<SizesType> hidden_sizes = {token_sizes[0], token_sizes[1], static_cast<SizesType>(shape_.hidden)};
     const std::vector<SizesType> vector_sizes = {static_cast<SizesType>(shape_.adapter_numel)};
     TensorPtr ids_tensor = make_tensor_ptr(token_sizes, const_cast<int64_t*>(ids), ScalarType::Long);
     TensorPtr targets_tensor = make_tensor_ptr(token_sizes, const_cast<int64_t*>(targets), ScalarType::Long);
 
-    copy_out(run("embed", with(embed_, {EValue(*ids_tensor)})).at(0), stored_inputs_[0]);
+    copy_out(nth(run("embed", with(embed_, {EValue(*ids_tensor)})), 0), stored_inputs_[0]);
     for (int64_t b = 0; b < shape_.blocks; ++b) {
       TensorPtr x = floats(stored_inputs_[b], hidden_sizes);
       TensorPtr adapters = floats(state_.adapters[b], vector_sizes);
-      copy_out(run("block_forward", with(blocks_[b], {EValue(*x), EValue(*cos_), EValue(*sin_), EValue(*adapters)}))
-                   .at(0), stored_inputs_[b + 1]);
+      copy_out(nth(run("block_forward", with(blocks_[b], {EValue(*x), EValue(*cos_), EValue(*sin_), EValue(*adapters)})),
+                   0), stored_inputs_[b + 1]);
     }
     TensorPtr final_hidden = floats(stored_inputs_[shape_.blocks], hidden_sizes);
     const auto head = run("head", with(head_, {EValue(*final_hidden), EValue(*targets_tensor)}));
-    const float loss = head.at(0).toTensor().const_data_ptr<float>()[0];
+    const float loss = output(nth(head, 0), 1).const_data_ptr<float>()[0];
     if (!std::isfinite(loss)) throw NonFinite("batch " + std::to_string(batch_index) + ": the loss is not finite");
-    copy_out(head.at(1), grad_);
+    copy_out(nth(head, 1), grad_);
 
     std::vector<std::vector<float>> grads(static_cast<size_t>(shape_.blocks));
     for (int64_t b = shape_.blocks - 1; b >= 0; --b) {
@@ -342,11 +444,11 @@ class MeSPRunner {
       const auto out = run("block_backward", with(blocks_[b], {EValue(*x), EValue(*grad_out), EValue(*cos_),
                                                               EValue(*sin_), EValue(*adapters)}));
       grads[b].resize(static_cast<size_t>(shape_.adapter_numel));
-      copy_out(out.at(1), grads[b]);
+      copy_out(nth(out, 1), grads[b]);
       if (!all_finite(grads[b].data(), grads[b].size())) {
         throw NonFinite("batch " + std::to_string(batch_index) + ": a non-finite gradient in block " + std::to_string(b));
       }
-      copy_out(out.at(0), grad_);
+      copy_out(nth(out, 0), grad_);
     }
 
     std::vector<float> scalars = adamw_.scalars(state_.steps_done + 1);
@@ -359,16 +461,16 @@ class MeSPRunner {
         TensorPtr m = floats(state_.exp_avg[b], vector_sizes), v = floats(state_.exp_avg_sq[b], vector_sizes);
         const auto out = run("adamw", {EValue(*p), EValue(*g), EValue(*m), EValue(*v), EValue(*scalar_tensor)});
         for (size_t i = 0; i < 3; ++i) {
-          const Tensor& t = out.at(i).toTensor();
+          const Tensor& t = output(nth(out, i), static_cast<size_t>(shape_.adapter_numel));
           if (!keep && !all_finite(t.const_data_ptr<float>(), static_cast<size_t>(t.numel()))) {
             throw NonFinite("batch " + std::to_string(batch_index) + ": the AdamW update of block " +
                             std::to_string(b) + " came out non-finite");
           }
         }
         if (keep) {
-          copy_out(out.at(0), state_.adapters[b]);
-          copy_out(out.at(1), state_.exp_avg[b]);
-          copy_out(out.at(2), state_.exp_avg_sq[b]);
+          copy_out(nth(out, 0), state_.adapters[b]);
+          copy_out(nth(out, 1), state_.exp_avg[b]);
+          copy_out(nth(out, 2), state_.exp_avg_sq[b]);
         }
       }
     }
@@ -383,7 +485,31 @@ class MeSPRunner {
     std::vector<std::string> names;
     std::stringstream lines(weights_.text("adapters.names"));
     for (std::string line; std::getline(lines, line);) names.push_back(line);
-    if (layout.size() != 3 * names.size()) throw InputError(weights_.path() + ": adapters.layout and .names disagree");
+    if (names.empty() || layout.size() != 3 * names.size()) {
+      throw InputError(weights_.path() + ": adapters.layout and .names disagree");
+    }
+    // The slices are read out of each block's adapter vector: each must lie inside it, apart from the others,
+    // under a name of its own that the adapter file's JSON header can hold as it is.
+    const int64_t numel = shape_.adapter_numel;
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (size_t i = 0; i < names.size(); ++i) {
+      const int64_t offset = layout[3 * i], rows = layout[3 * i + 1], cols = layout[3 * i + 2];
+      const bool plain = !names[i].empty() && std::all_of(names[i].begin(), names[i].end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.';
+      });
+      if (!plain || offset < 0 || rows < 1 || cols < 1 || rows > numel || cols > numel / rows ||
+          offset > numel - rows * cols) {
+        throw InputError(weights_.path() + ": adapters.layout or .names is damaged (entry " + std::to_string(i) + ")");
+      }
+      spans.push_back({offset, offset + rows * cols});
+    }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i) {
+      if (spans[i].first < spans[i - 1].second) throw InputError(weights_.path() + ": adapters.layout overlaps itself");
+    }
+    if (std::set<std::string>(names.begin(), names.end()).size() != names.size()) {
+      throw InputError(weights_.path() + ": adapters.names names a slice twice");
+    }
     std::map<std::string, edgetrain::NamedFloats> sorted;  // the checksum reads them in sorted name order
     for (int64_t b = 0; b < shape_.blocks; ++b) {
       for (size_t i = 0; i < names.size(); ++i) {
@@ -402,6 +528,9 @@ class MeSPRunner {
       tensors.push_back(t);
     }
     const std::string metadata = weights_.text("adapters.metadata");
+    if (metadata.size() < 2 || metadata.front() != '{' || metadata.back() != '}') {
+      throw InputError(weights_.path() + ": adapters.metadata is not a JSON object");
+    }
     digest.update(std::string("\0metadata\0", 10));
     digest.update(metadata);
     const std::string with_checksum =
@@ -423,14 +552,59 @@ class MeSPRunner {
     return make_tensor_ptr(std::vector<SizesType>(sizes), data.data(), ScalarType::Float);
   }
   // Outputs live in the method's planned memory, which its next call reuses: copy what must outlive it.
-  static void copy_out(const EValue& value, std::vector<float>& into) {
-    const Tensor& t = value.toTensor();
-    if (t.scalar_type() != ScalarType::Float || static_cast<size_t>(t.numel()) != into.size()) {
-      throw std::runtime_error("a program output of an unexpected shape");
-    }
+  void copy_out(const EValue& value, std::vector<float>& into) const {
+    const Tensor& t = output(value, into.size());
     std::memcpy(into.data(), t.const_data_ptr<float>(), 4 * into.size());
   }
+  const Tensor& output(const EValue& value, size_t numel) const {
+    if (!value.isTensor() || value.toTensor().scalar_type() != ScalarType::Float ||
+        static_cast<size_t>(value.toTensor().numel()) != numel) {
+      throw InputError(program_path_ + ": a method's output is not the float32 tensor of " + std::to_string(numel) +
+                       " elements " + weights_.path() + " describes: the files do not belong together");
+    }
+    return value.toTensor();
+  }
+  static const EValue& nth(const std::vector<EValue>& outputs, size_t index) {
+    if (index >= outputs.size()) throw InputError("a method returned fewer outputs than a MeSP program's");
+    return outputs[index];
+  }
+  std::string describe(ScalarType type, const std::vector<SizesType>& sizes) const {
+    std::string text = std::string(executorch::runtime::toString(type)) + " [";
+    for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+    return text + "]";
+  }
+  // The program's own input `index` of `method` against what the weights file makes of it.
+  void expect_input(const std::string& method, size_t index, ScalarType type, const std::vector<SizesType>& sizes) {
+    const auto meta = module_.method_meta(method);
+    if (!meta.ok() || index >= meta->num_inputs()) {
+      throw InputError(program_path_ + ": method " + method + " takes fewer inputs than " + weights_.path() +
+                       " gives it: the files do not belong together");
+    }
+    const auto info = meta->input_tensor_meta(index);
+    if (!info.ok()) {
+      throw InputError(program_path_ + ": method " + method + "'s input " + std::to_string(index) +
+                       " is not a tensor: not a MeSP program");
+    }
+    const std::vector<SizesType> wanted(info->sizes().begin(), info->sizes().end());
+    if (info->scalar_type() != type || wanted != sizes) {
+      throw InputError(weights_.path() + " does not fit " + program_path_ + ": method " + method + "'s input " +
+                       std::to_string(index) + " is " + describe(type, sizes) + ", the program takes " +
+                       describe(info->scalar_type(), wanted));
+    }
+  }
   std::vector<EValue> run(const std::string& method, const std::vector<EValue>& inputs) {
+    // Every input is checked against the program before the runtime reads it: a tensor of the weights file
+    // with another shape or type would otherwise be read past its end.
+    const auto meta = module_.method_meta(method);
+    if (!meta.ok() || meta->num_inputs() != inputs.size()) {
+      throw InputError(weights_.path() + " does not fit " + program_path_ + ": method " + method + " takes " +
+                       (meta.ok() ? std::to_string(meta->num_inputs()) : "other") + " inputs, the file gives " +
+                       std::to_string(inputs.size()));
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Tensor& t = inputs[i].toTensor();
+      expect_input(method, i, t.scalar_type(), std::vector<SizesType>(t.sizes().begin(), t.sizes().end()));
+    }
     auto result = module_.execute(method, inputs);
     if (!result.ok()) {
       throw std::runtime_error("method " + method + " failed (ExecuTorch error " +
@@ -439,6 +613,7 @@ class MeSPRunner {
     return std::move(*result);
   }
 
+  std::string program_path_;
   WeightsFile weights_;
   Module module_;
   AdamW adamw_;
@@ -459,7 +634,14 @@ int usage() {
   return 2;
 }
 
-double number(const std::string& flag, const std::string& text, double low, double high) {
+// A refused command line: one sentence naming the flag or argument, exit status 2.
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// A finite number in [low, high] (or (low, high] where `low_open`), written in full: "1e309", "nan", "", "1x"
+// and the like are refused, not read as something else.
+double number(const std::string& flag, const std::string& text, double low, double high, bool low_open = false) {
   size_t used = 0;
   double value = 0;
   try {
@@ -467,45 +649,61 @@ double number(const std::string& flag, const std::string& text, double low, doub
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != text.size() || !std::isfinite(value) || value < low || value > high) {
-    throw std::invalid_argument(flag + " takes a number in [" + std::to_string(low) + ", " + std::to_string(high) +
-                                "], not '" + text + "'");
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || used != text.size() ||
+      !std::isfinite(value) || value < low || (low_open && value == low) || value > high) {
+    throw UsageError(flag + " takes a number in " + (low_open ? "(" : "[") + setting_text(low, 9) + ", " +
+                     setting_text(high, 9) + "], not '" + text + "'");
   }
+  return value;
+}
+
+// A step count: digits only, at least 1, and no more than a uint64 holds.
+uint64_t whole_number(const std::string& flag, const std::string& text) {
+  const bool digits = !text.empty() && text.size() <= 19 &&
+                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const uint64_t value = digits ? std::stoull(text) : 0;
+  if (!digits || value == 0) throw UsageError(flag + " takes a whole number of steps from 1, not '" + text + "'");
   return value;
 }
 
 int run(int argc, char** argv) {
   std::vector<std::string> positional;
   std::map<std::string, std::string> options;
+  static const char* known[] = {"--weights", "--steps", "--lr", "--beta1", "--beta2", "--eps", "--weight-decay",
+                                "--checkpoint", "--save"};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
       usage();
       return 0;
     }
-    if (arg.rfind("--", 0) == 0) {
-      static const char* known[] = {"--weights", "--steps", "--lr", "--beta1", "--beta2", "--eps", "--weight-decay",
-                                    "--checkpoint", "--save"};
-      if (std::find(std::begin(known), std::end(known), arg) == std::end(known) || i + 1 >= argc) return usage();
+    if (arg.size() > 1 && arg[0] == '-') {
+      if (std::find(std::begin(known), std::end(known), arg) == std::end(known)) {
+        throw UsageError("unknown option '" + arg + "'");
+      }
+      // A value that is itself a flag is a forgotten value ("--save --lr 1e-3"), not a file named --lr.
+      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) throw UsageError(arg + " needs a value");
+      if (options.count(arg)) throw UsageError(arg + " is given twice ('" + options[arg] + "', '" + argv[i + 1] + "')");
       options[arg] = argv[++i];
     } else {
       positional.push_back(arg);
     }
   }
-  if (positional.size() != 2) return usage();
-  AdamW adamw;
-  long steps = -1;
-  try {
-    if (options.count("--lr")) adamw.lr = number("--lr", options["--lr"], 0, 1e6);
-    if (options.count("--beta1")) adamw.beta1 = number("--beta1", options["--beta1"], 0, 0.999999);
-    if (options.count("--beta2")) adamw.beta2 = number("--beta2", options["--beta2"], 0, 0.999999999);
-    if (options.count("--eps")) adamw.eps = number("--eps", options["--eps"], 0, 1);
-    if (options.count("--weight-decay")) adamw.weight_decay = number("--weight-decay", options["--weight-decay"], 0, 1e6);
-    if (options.count("--steps")) steps = static_cast<long>(number("--steps", options["--steps"], 0, 1e12));
-  } catch (const std::invalid_argument& error) {
-    std::fprintf(stderr, "edgetrain_mesp_runner: %s\n", error.what());
-    return 2;
+  if (positional.size() != 2) {
+    throw UsageError("takes PROGRAM.pte and BATCHES.bin, not " + std::to_string(positional.size()) + " arguments");
   }
+  for (const char* flag : {"--weights", "--checkpoint", "--save"}) {
+    if (options.count(flag) && options[flag].empty()) throw UsageError(std::string(flag) + " needs a path, not ''");
+  }
+  AdamW adamw;
+  uint64_t steps = 0;  // 0: every batch
+  if (options.count("--lr")) adamw.lr = number("--lr", options["--lr"], 0, 1e6);
+  if (options.count("--beta1")) adamw.beta1 = number("--beta1", options["--beta1"], 0, 0.999999);
+  if (options.count("--beta2")) adamw.beta2 = number("--beta2", options["--beta2"], 0, 0.999999999);
+  // eps 0 divides by zero wherever a gradient is exactly zero (every LoRA A at the first step).
+  if (options.count("--eps")) adamw.eps = number("--eps", options["--eps"], 0, 1, /*low_open=*/true);
+  if (options.count("--weight-decay")) adamw.weight_decay = number("--weight-decay", options["--weight-decay"], 0, 1e6);
+  if (options.count("--steps")) steps = whole_number("--steps", options["--steps"]);
   const std::string program = positional[0];
   std::string weights = options.count("--weights") ? options["--weights"] : program;
   if (!options.count("--weights")) {
@@ -513,9 +711,34 @@ int run(int argc, char** argv) {
     weights = (dot != std::string::npos && (slash == std::string::npos || dot > slash) ? weights.substr(0, dot) : weights) +
               ".weights";
   }
+  const std::string checkpoint = options.count("--checkpoint") ? options["--checkpoint"] : "";
+  const std::string save = options.count("--save") ? options["--save"] : "";
 
-  if (options.count("--save")) edgetrain::check_writable(options["--save"], "the adapter");
-  if (options.count("--checkpoint")) edgetrain::check_writable(options["--checkpoint"], "the checkpoint");
+  // No output may land on another file of the run: an input, the other output, or their temporaries (the
+  // crash-safe write goes through PATH.tmp).
+  const std::vector<std::pair<std::string, std::string>> inputs = {
+      {"the program", program}, {"the weights file", weights}, {"the batch file", positional[1]}};
+  std::vector<std::pair<std::string, std::string>> outputs;
+  if (!checkpoint.empty()) outputs.push_back({"--checkpoint", checkpoint});
+  if (!save.empty()) outputs.push_back({"--save", save});
+  for (const auto& [flag, path] : outputs) {
+    for (const std::string& written : {path, path + ".tmp"}) {
+      auto others = inputs;
+      for (const auto& other : outputs) {
+        if (other.first != flag) others.push_back({other.first == "--save" ? "the adapter (--save)" : "the checkpoint",
+                                                   other.second});
+      }
+      for (const auto& [what, other] : others) {
+        if (edgetrain::file_identity(written) == edgetrain::file_identity(other)) {
+          throw UsageError(flag + " " + path + " would write over " + what + " " + other +
+                           ": give the outputs paths of their own");
+        }
+      }
+    }
+  }
+
+  if (!save.empty()) edgetrain::check_writable(save, "the adapter");
+  if (!checkpoint.empty()) edgetrain::check_writable(checkpoint, "the checkpoint");
   executorch::runtime::runtime_init();
   edgetrain::BatchFile batches = edgetrain::read_batch_file(positional[1]);
   MeSPRunner runner(program, weights, adamw);
@@ -527,11 +750,27 @@ int run(int argc, char** argv) {
                        std::to_string(shape.seq) + "], the shape the program was exported for");
     }
   }
-  const std::string checkpoint = options.count("--checkpoint") ? options["--checkpoint"] : "";
-  if (!checkpoint.empty() && load_checkpoint(checkpoint, shape, runner.state())) {
+  // Every batch is checked before the first step: a bad one late in the file refuses the run before anything
+  // is written, not after some steps' checkpoints.
+  for (uint64_t b = 0; b < batches.count; ++b) {
+    runner.check_batch(reinterpret_cast<const int64_t*>(batches.data.data() + b * batches.batch_bytes), b,
+                       positional[1]);
+  }
+  if (steps > batches.count) {
+    throw InputError(positional[1] + " holds " + std::to_string(batches.count) + " batches, fewer than --steps " +
+                     std::to_string(steps));
+  }
+  // The adapter file is put together once before training, so that one the weights file cannot describe is
+  // refused before the steps, not after them.
+  if (!save.empty()) runner.adapter_file();
+  if (!checkpoint.empty() && load_checkpoint(checkpoint, positional[1], batches, shape, adamw, runner.state())) {
     std::printf("resumed from %s after step %" PRIu64 "\n", checkpoint.c_str(), runner.state().steps_done);
   }
-  const uint64_t total = steps < 0 ? batches.count : std::min<uint64_t>(static_cast<uint64_t>(steps), batches.count);
+  const uint64_t total = steps == 0 ? batches.count : steps;
+  if (runner.state().steps_done > total) {
+    throw InputError(checkpoint + ": the checkpoint is after step " + std::to_string(runner.state().steps_done) +
+                     ", past --steps " + std::to_string(total) + ": its adapter is not the one asked for");
+  }
   std::printf("program %s: %" PRId64 " blocks, %" PRId64 " adapter weights a block, batches %" PRId64 " x %" PRId64
               ", %" PRIu64 " steps\n", program.c_str(), shape.blocks, shape.adapter_numel, shape.batch, shape.seq, total);
   double first_seconds = 0, total_seconds = 0;
@@ -540,11 +779,13 @@ int run(int argc, char** argv) {
     const auto started = std::chrono::steady_clock::now();
     const int64_t* ids = reinterpret_cast<const int64_t*>(batches.data.data() + step * batches.batch_bytes);
     const float loss = runner.step(ids, ids + shape.batch * shape.seq, step);
+    runner.state().batches_crc = edgetrain::crc32(reinterpret_cast<const unsigned char*>(ids), batches.batch_bytes,
+                                                  runner.state().batches_crc);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     (timed++ ? total_seconds : first_seconds) += seconds;
     std::printf("step %" PRIu64 " loss %.9g\n", step + 1, loss);
     std::fflush(stdout);
-    if (!checkpoint.empty()) edgetrain::atomic_write(checkpoint, checkpoint_bytes(runner.state(), shape));
+    if (!checkpoint.empty()) edgetrain::atomic_write(checkpoint, checkpoint_bytes(runner.state(), shape, adamw));
   }
   if (timed > 1) {
     std::printf("timing: first step %.6f s, then %.6f s a step over %" PRIu64 " steps\n", first_seconds,
@@ -553,9 +794,9 @@ int run(int argc, char** argv) {
   if (edgetrain::peak_resident_kb() >= 0) {
     std::printf("memory: peak resident %ld kB (VmHWM)\n", edgetrain::peak_resident_kb());
   }
-  if (options.count("--save")) {
-    edgetrain::atomic_write(options["--save"], runner.adapter_file());
-    std::printf("saved the adapter to %s\n", options["--save"].c_str());
+  if (!save.empty()) {
+    edgetrain::atomic_write(save, runner.adapter_file());
+    std::printf("saved the adapter to %s\n", save.c_str());
   }
   return 0;
 }
@@ -563,8 +804,13 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A reader that closes the pipe of "step N" lines must not kill the run between a checkpoint and the next.
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     return run(argc, argv);
+  } catch (const UsageError& error) {
+    std::fprintf(stderr, "edgetrain_mesp_runner: error: %s (--help for the usage)\n", error.what());
+    return 2;
   } catch (const InputError& error) {
     std::fprintf(stderr, "edgetrain_mesp_runner: error: %s\n", error.what());
     return 3;

@@ -5,6 +5,9 @@
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
 
 #include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -46,29 +49,94 @@ struct BatchFile {
   size_t batch_bytes = 0;
 };
 
-template <typename T>
-T read_value(std::ifstream& in, const std::string& path) {
-  T value;
-  if (!in.read(reinterpret_cast<char*>(&value), sizeof(T))) throw InputError(path + ": truncated header");
-  return value;
+inline std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
+
+// A descriptor of `path`, refused unless it is (or links to) a regular file. O_NONBLOCK: opening a FIFO for
+// reading would otherwise wait forever for a writer; fstat then refuses it. ENOENT is returned as -1 where
+// `missing_ok` (a checkpoint not written yet); every other failure names the file.
+inline int open_regular(const std::string& path, const std::string& what, bool missing_ok = false) {
+  if (path.empty()) throw InputError("the " + what + " path is empty");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int error = errno;
+    if (missing_ok && error == ENOENT) return -1;
+    throw InputError("cannot open the " + what + " " + path + ": " + std::strerror(error));
+  }
+  struct stat info {};
+  const bool known = ::fstat(fd, &info) == 0;
+  if (!known || !S_ISREG(info.st_mode)) {
+    ::close(fd);
+    throw InputError(path + ": the " + what + " is " + (known ? file_kind(info.st_mode) : "unreadable") +
+                     ", not a regular file");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+// The whole of a regular file (see open_regular), read through one descriptor.
+// `limit`: a file larger than any the caller reads is refused before it is read.
+inline std::string read_regular(const std::string& path, const std::string& what, uint64_t limit = UINT64_MAX) {
+  const int fd = open_regular(path, what);
+  struct stat info {};
+  if (::fstat(fd, &info) == 0 && static_cast<uint64_t>(info.st_size) > limit) {
+    ::close(fd);
+    throw InputError(path + ": the " + what + " is " + std::to_string(info.st_size) + " bytes, more than " +
+                     std::to_string(limit) + ": damaged, or not this run's");
+  }
+  std::string data;
+  char chunk[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, chunk, sizeof(chunk));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error = errno;
+      ::close(fd);
+      throw InputError("cannot read the " + what + " " + path + ": " + std::strerror(error));
+    }
+    if (n == 0) break;
+    data.append(chunk, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return data;
 }
 
 // "EDGEBAT1", u32 tensors per batch, per tensor (u32 dtype 0 float32 / 1 int64, u32 ndim, i64 dims),
-// u64 batches, then the data (edgetrain/export/stream_file.py).
+// u64 batches, then the data (edgetrain/export/stream_file.py). Every count in the header is checked against
+// the bytes the file holds before it sizes anything: the file must hold exactly its batches.
 inline BatchFile read_batch_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError("cannot open " + path);
+  const std::string bytes = read_regular(path, "batch file");
+  size_t offset = 0;
+  auto take = [&](void* out, size_t n) {
+    if (bytes.size() - offset < n) {
+      throw InputError(path + ": the batch file's header is truncated (" + std::to_string(bytes.size()) + " bytes)");
+    }
+    std::memcpy(out, bytes.data() + offset, n);
+    offset += n;
+  };
   char magic[8];
-  if (!in.read(magic, 8) || std::memcmp(magic, "EDGEBAT1", 8) != 0) {
+  if (bytes.size() < 8 || std::memcmp(bytes.data(), "EDGEBAT1", 8) != 0) {
     throw InputError(path + ": not an edgetrain batch file (magic EDGEBAT1 missing)");
   }
+  take(magic, 8);
   BatchFile file;
-  const uint32_t slots = read_value<uint32_t>(in, path);
-  if (slots != 2) throw InputError(path + ": expected 2 tensors per batch (inputs, targets)");
+  uint32_t slots = 0;
+  take(&slots, 4);
+  if (slots != 2) {
+    throw InputError(path + ": the header says " + std::to_string(slots) +
+                     " tensors per batch; a batch file holds 2 (inputs, targets)");
+  }
   for (uint32_t s = 0; s < slots; ++s) {
     TensorSpec spec;
-    const uint32_t code = read_value<uint32_t>(in, path);
-    const uint32_t ndim = read_value<uint32_t>(in, path);
+    uint32_t code = 0, ndim = 0;
+    take(&code, 4);
+    take(&ndim, 4);
     if (code == 0) {
       spec.type = executorch::aten::ScalarType::Float;
       spec.element_size = 4;
@@ -76,31 +144,37 @@ inline BatchFile read_batch_file(const std::string& path) {
       spec.type = executorch::aten::ScalarType::Long;
       spec.element_size = 8;
     } else {
-      throw InputError(path + ": unknown dtype code " + std::to_string(code));
+      throw InputError(path + ": the header names an unknown dtype code " + std::to_string(code));
     }
-    if (ndim > 8) throw InputError(path + ": a tensor of " + std::to_string(ndim) + " dimensions");
+    if (ndim > 8) throw InputError(path + ": the header gives a tensor " + std::to_string(ndim) + " dimensions");
     spec.numel = 1;
     for (uint32_t d = 0; d < ndim; ++d) {
-      const int64_t dim = read_value<int64_t>(in, path);
-      if (dim < 0 || dim > (int64_t{1} << 32)) throw InputError(path + ": a dimension of " + std::to_string(dim));
+      int64_t dim = 0;
+      take(&dim, 8);
+      // No batch is larger than the file: a product past its size is damage (and would overflow).
+      if (dim < 0 || (dim > 0 && spec.numel > bytes.size() / static_cast<uint64_t>(dim))) {
+        throw InputError(path + ": the header gives a dimension of " + std::to_string(dim) +
+                         ", more than the file holds");
+      }
       spec.dims.push_back(dim);
       spec.numel *= static_cast<size_t>(dim);
     }
     file.batch_bytes += spec.numel * spec.element_size;
     file.specs.push_back(spec);
   }
-  file.count = read_value<uint64_t>(in, path);
-  const auto data_start = in.tellg();
-  in.seekg(0, std::ios::end);
-  const auto available = static_cast<uint64_t>(in.tellg() - data_start);
-  in.seekg(data_start);
-  if (file.batch_bytes == 0 || available / file.batch_bytes < file.count) {
-    throw InputError(path + ": truncated data (" + std::to_string(file.count) + " batches announced)");
+  take(&file.count, 8);
+  const uint64_t available = bytes.size() - offset;
+  if (file.batch_bytes == 0) throw InputError(path + ": the header describes empty batches");
+  if (file.count == 0) throw InputError(path + ": the batch file holds no batches");
+  if (available / file.batch_bytes < file.count) {
+    throw InputError(path + ": truncated: the header announces " + std::to_string(file.count) + " batches of " +
+                     std::to_string(file.batch_bytes) + " bytes, the file holds " + std::to_string(available));
   }
-  file.data.resize(file.batch_bytes * file.count);
-  if (!in.read(file.data.data(), static_cast<std::streamsize>(file.data.size()))) {
-    throw InputError(path + ": truncated data (" + std::to_string(file.count) + " batches announced)");
+  if (available != file.count * file.batch_bytes) {
+    throw InputError(path + ": " + std::to_string(available - file.count * file.batch_bytes) +
+                     " bytes past the " + std::to_string(file.count) + " batches its header announces: damaged");
   }
+  file.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(offset), bytes.end());
   return file;
 }
 
@@ -193,13 +267,39 @@ inline void atomic_write(const std::string& path, const std::string& bytes) {
   }
 }
 
-// Fail before any work when `path` could not be written later: its temporary is created and removed again.
+// Fail before any work when `path` could not be written later: an existing path must be a regular file (a
+// directory or FIFO in its place is not replaced), and its temporary is created and removed again.
 inline void check_writable(const std::string& path, const std::string& what) {
+  if (path.empty()) throw OutputError("the " + what + " path is empty");
+  struct stat info {};
+  if (::stat(path.c_str(), &info) == 0 && !S_ISREG(info.st_mode)) {
+    throw OutputError("cannot write " + what + " " + path + ": it is " + file_kind(info.st_mode) +
+                      ", not a regular file");
+  }
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (::lstat(tmp.c_str(), &info) == 0 && !S_ISREG(info.st_mode)) {
+    throw OutputError("cannot write " + what + " " + path + ": its temporary " + tmp + " is " +
+                      file_kind(info.st_mode));
+  }
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK, 0644);
   if (fd < 0) throw OutputError("cannot write " + what + " " + path + ": " + std::strerror(errno));
   ::close(fd);
   ::unlink(tmp.c_str());
+}
+
+// Who a path names, for telling two paths apart: device and inode where it exists (symbolic and hard links
+// alike), else its resolved directory and name.
+inline std::string file_identity(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) == 0) {
+    return "inode " + std::to_string(info.st_dev) + ":" + std::to_string(info.st_ino);
+  }
+  const size_t slash = path.find_last_of('/');
+  const std::string directory = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  char resolved[PATH_MAX];
+  if (::realpath(directory.c_str(), resolved) == nullptr) return "path " + path;
+  const std::string prefix = std::string(resolved) == "/" ? "" : std::string(resolved);
+  return "path " + prefix + "/" + path.substr(slash == std::string::npos ? 0 : slash + 1);
 }
 
 struct NamedFloats {
