@@ -3,7 +3,7 @@
     directory = export_mlx_mesp(model, batch_size=2, seq_len=128, out="smollm2-mlx")
     # embed.mlxfn, block_forward.mlxfn, block_backward.mlxfn, head.mlxfn, adamw.mlxfn (mx.export_function),
     # weights.safetensors (the frozen base as held, packed when quantised; the adapters; RoPE tables),
-    # manifest.json (each function's inputs and outputs by name)
+    # manifest.json (each function's inputs and outputs by name; each file's size and SHA-256; its own SHA-256)
 
 Each function is edgetrain's MLX mesp code (edgetrain/backends/mlx/methods/) traced with the arrays it reads
 as inputs: a template block (a copy of block 0) takes the block's arrays by name, so one block function
@@ -12,25 +12,66 @@ biases). Its chunk and phase evaluations are deferred while it is traced (edgetr
 `adamw` is mlx.optimizers.AdamW's update of one array, exported shapeless so it serves every adapter.
 
 `MLXProgramTrainer` replays the schedule with mx.import_function, as an app (Swift: MLX's
-`importFunction`) would; docs/export.md sketches that app.
+`importFunction`) would; docs/export.md sketches that app. It trusts nothing in the directory: MLX's readers
+of .mlxfn and .safetensors files crash the process (a segfault, std::bad_alloc) or load wrong numbers from a
+damaged file, so every file's size and SHA-256 are checked against the manifest before MLX sees a byte, and the
+manifest against its own SHA-256 and against the weights it describes.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
+import numbers
+import os
+import re
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from edgetrain.export.trainable import ExportError
-from edgetrain.files.atomic import atomic_write_directory, ensure_writable_target
+from edgetrain.files.atomic import atomic_write_directory, ensure_writable_target, readable_directory
 from edgetrain.methods.base import NonFiniteError
 from edgetrain.methods.configs import MeSPConfig
 from edgetrain.training.schedules import check_learning_rate
 
 FORMAT = "edgetrain-mesp-mlx"
-FORMAT_VERSION = 1
+# 2: the manifest records each file's size and SHA-256 and its own SHA-256 ("files", "manifest_sha256").
+FORMAT_VERSION = 2
 FUNCTIONS = ("embed", "block_forward", "block_backward", "head", "adamw")
+WEIGHTS = "weights.safetensors"
+MANIFEST = "manifest.json"
+# The files of a program directory, by fixed names: nothing in the manifest names a path.
+FILES = tuple(f"{name}.mlxfn" for name in FUNCTIONS) + (WEIGHTS,)
+
+
+# Bounds of the manifest's numbers: far above any real program, low enough that nothing sized by them overflows.
+_MAX_DIMENSION = 2**31 - 1
+_MAX_BLOCKS = 100_000
+_MAX_FILE_BYTES = 2**50
+# A manifest is a few KiB (a few hundred KiB for a model of hundreds of blocks); anything bigger is not one.
+MAX_MANIFEST_BYTES = 16 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# An array name: dotted identifiers, as tree_flatten writes them (never a path, never empty).
+_ARRAY_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    """The SHA-256 of the manifest without its "manifest_sha256" field, in a canonical JSON spelling (sorted
+    keys, no spaces, ASCII), so that an app can recompute it from the parsed object."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def _flat(module: Any) -> list[tuple[str, Any]]:
@@ -76,7 +117,8 @@ def export_mlx_mesp(model: Any, batch_size: int, seq_len: int, out: str | Path,
     from edgetrain.backends.mlx.methods.mesp_block import BlockWeights, block_backward, block_forward
     from edgetrain.methods.mesp.loss import DEFAULT_VOCAB_CHUNK
 
-    if not (isinstance(batch_size, int) and batch_size >= 1 and isinstance(seq_len, int) and seq_len >= 1):
+    if not all(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _MAX_DIMENSION
+               for value in (batch_size, seq_len)):
         raise ExportError(f"batch size and sequence length must be positive integers, got {batch_size!r}, "
                           f"{seq_len!r}")
     config = config or MeSPConfig()
@@ -161,16 +203,278 @@ def export_mlx_mesp(model: Any, batch_size: int, seq_len: int, out: str | Path,
                     mx.export_function(str(directory / f"{name}.mlxfn"), function, *arguments, shapeless=shapeless)
                 except (ValueError, RuntimeError) as exc:
                     raise ExportError(f"MLX could not export the {name} function: {exc}") from exc
-        mx.save_safetensors(str(directory / "weights.safetensors"), tensors)
-        (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        mx.save_safetensors(str(directory / WEIGHTS), tensors)
+        manifest["files"] = {name: _file_record(directory / name) for name in FILES}
+        manifest["manifest_sha256"] = _manifest_digest(manifest)
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
     return atomic_write_directory(out, write)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"the non-standard constant {name} (JSON has no NaN or infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} overflows a float")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Python's reader keeps the last of two equal keys; which one an app's reader keeps is anyone's guess.
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        result[key] = value
+    return result
+
+
+def _open_regular(path: Path, what: str) -> int:
+    """A descriptor of `path` opened for reading, if it is (or links to) a regular file; else ExportError
+    saying what it is. The kind is checked before the open (a FIFO would block it, a device stream without
+    end) and again on the open descriptor (the name could have been swapped in between)."""
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                return fd
+            os.close(fd)
+    except FileNotFoundError:
+        raise ExportError(f"{path}: {what} is missing: not a complete exported MLX program; re-export it") from None
+    except (OSError, ValueError) as exc:  # a link loop, no permission, a NUL byte in the name
+        raise ExportError(f"{path}: cannot read {what} ({getattr(exc, 'strerror', None) or exc})") from None
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    raise ExportError(f"{path}: {what} is {kind}, not a regular file")
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    fd = _open_regular(path, "the manifest")
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise ExportError(f"{path}: cannot read the manifest ({exc.strerror or exc})") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ExportError(f"{path}: larger than {MAX_MANIFEST_BYTES >> 20} MiB: not an exported MLX program's manifest")
+    try:
+        manifest = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float,
+                              object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ExportError(f"{path}: JSON nested too deeply: not an exported MLX program's manifest") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or refused by a hook (UnicodeDecodeError is a ValueError)
+        raise ExportError(f"{path}: not valid JSON ({exc}): not an exported MLX program's manifest") from None
+    if not isinstance(manifest, dict):
+        raise ExportError(f"{path}: holds a JSON {type(manifest).__name__}, not an object: not an exported MLX "
+                          "program's manifest")
+    return manifest
+
+
+_MANIFEST_FIELDS = ("format", "version", "batch", "seq", "vocab", "hidden", "blocks", "block_arrays", "lora_arrays",
+                    "embed_arrays", "head_lm_weight", "trainable", "functions", "chunks", "files", "manifest_sha256")
+
+
+def _check_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Raise ExportError naming the field of manifest.json that is not what export_mlx_mesp writes. The checks
+    of the format, version and SHA-256 come first: a manifest that passes them is the exporter's, and the
+    checks after them stop one that was rewritten with a matching SHA-256 from reaching MLX."""
+    path = directory / MANIFEST
+
+    def bad(field: str, problem: str) -> ExportError:
+        return ExportError(f"{path}: field {field!r} {problem}")
+
+    if manifest.get("format") != FORMAT:
+        raise bad("format", f"is {manifest.get('format')!r}, not {FORMAT!r}: not an edgetrain MLX MeSP program")
+    version = manifest.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise bad("version", f"must be an integer, got {version!r}")
+    if version < FORMAT_VERSION:
+        raise bad("version", f"is {version}: an older edgetrain wrote this program without the checksums this "
+                             f"one checks (version {FORMAT_VERSION}); re-export it with `edgetrain export --method "
+                             "mesp --runtime mlx`")
+    if version > FORMAT_VERSION:
+        raise bad("version", f"is {version}: written by a newer edgetrain than this one (version "
+                             f"{FORMAT_VERSION}); upgrade edgetrain or re-export it with this one")
+    missing = [field for field in _MANIFEST_FIELDS if field not in manifest]
+    if missing:
+        raise bad(missing[0], "is missing: a damaged manifest; re-export the program")
+    unknown = sorted(set(manifest) - set(_MANIFEST_FIELDS))
+    if unknown:
+        raise bad(unknown[0], f"is not a field of format version {FORMAT_VERSION}")
+    recorded = manifest["manifest_sha256"]
+    if not (isinstance(recorded, str) and _SHA256.fullmatch(recorded)):
+        raise bad("manifest_sha256", f"must be 64 lowercase hex digits, got {recorded!r}")
+    try:
+        actual = _manifest_digest(manifest)
+    except (RecursionError, ValueError) as exc:
+        raise bad("manifest_sha256", f"cannot be checked ({exc})") from None
+    if actual != recorded:
+        raise bad("manifest_sha256", "does not match the manifest's contents: the manifest was changed or damaged "
+                                     "after export; re-export the program")
+    for field, high in (("batch", _MAX_DIMENSION), ("seq", _MAX_DIMENSION), ("vocab", _MAX_DIMENSION),
+                        ("hidden", _MAX_DIMENSION), ("blocks", _MAX_BLOCKS)):
+        value = manifest[field]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise bad(field, f"must be an integer in [1, {high}], got {value!r}")
+    names = {}
+    for field in ("block_arrays", "lora_arrays", "embed_arrays"):
+        value = manifest[field]
+        if not (isinstance(value, list) and value and all(isinstance(n, str) and _ARRAY_NAME.fullmatch(n)
+                                                          for n in value)):
+            raise bad(field, "must be a non-empty list of array names (dotted identifiers)")
+        if len(set(value)) != len(value):
+            duplicate = next(n for n in value if value.count(n) > 1)
+            raise bad(field, f"names {duplicate!r} twice")
+        names[field] = value
+    stray = [name for name in names["lora_arrays"] if name not in names["block_arrays"]]
+    if stray:
+        raise bad("lora_arrays", f"names {stray[0]!r}, which is not among block_arrays")
+    heads = {"head.lm_weight"} | {f"embed.{name}" for name in names["embed_arrays"]}
+    if manifest["head_lm_weight"] not in heads:
+        raise bad("head_lm_weight", f"must be head.lm_weight or one of the embed arrays, got "
+                                    f"{manifest['head_lm_weight']!r}")
+    expected = sorted(f"blocks.{i}.{name}" for i in range(manifest["blocks"]) for name in names["lora_arrays"])
+    if manifest["trainable"] != expected:
+        raise bad("trainable", "must list the LoRA arrays of every block (blocks.<i>.<lora_arrays>), sorted")
+    for field in ("functions", "chunks"):
+        if not isinstance(manifest[field], dict):
+            raise bad(field, "must be a JSON object")
+    files = manifest["files"]
+    if not isinstance(files, dict) or sorted(files) != sorted(FILES):
+        raise bad("files", f"must record exactly {', '.join(FILES)} (fixed names; it names "
+                           f"{sorted(files) if isinstance(files, dict) else files!r})")
+    for name, record in files.items():
+        if not (isinstance(record, dict) and sorted(record) == ["bytes", "sha256"]
+                and isinstance(record["bytes"], int) and not isinstance(record["bytes"], bool)
+                and 1 <= record["bytes"] <= _MAX_FILE_BYTES
+                and isinstance(record["sha256"], str) and _SHA256.fullmatch(record["sha256"])):
+            raise bad("files", f"entry {name!r} must be {{\"bytes\": a positive integer, \"sha256\": 64 lowercase "
+                               f"hex digits}}, got {record!r}")
+
+
+def _verified_bytes(path: Path, record: dict[str, Any], keep: bool) -> bytes | None:
+    """Check that `path` is a regular file of the size and SHA-256 the manifest records (ExportError naming
+    it otherwise); its bytes when `keep`."""
+    what = f"the program's {path.name}"
+    fd = _open_regular(path, what)
+    with os.fdopen(fd, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != record["bytes"]:
+            raise ExportError(f"{path}: {size} bytes, but manifest.json records {record['bytes']}: a truncated, "
+                              "extended or foreign file; re-export the program")
+        digest, chunks, total = hashlib.sha256(), [], 0
+        try:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                total += len(chunk)
+                if total > record["bytes"]:  # it grew while being read
+                    break
+                digest.update(chunk)
+                if keep:
+                    chunks.append(chunk)
+        except OSError as exc:
+            raise ExportError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    if total != record["bytes"] or digest.hexdigest() != record["sha256"]:
+        raise ExportError(f"{path}: its SHA-256 does not match manifest.json's: the file was damaged or swapped "
+                          "after export; re-export the program")
+    return b"".join(chunks) if keep else None
+
+
+def _import_verified(path: Path, data: bytes) -> Callable:
+    """mx.import_function of exactly the verified bytes: they are written to a private temp file first, so
+    that a file changed after its check never reaches MLX's reader (which a damaged file can crash)."""
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory(prefix="edgetrain-mlxfn-") as private:
+        copy_path = Path(private) / path.name
+        copy_path.write_bytes(data)
+        try:
+            return mx.import_function(str(copy_path))
+        except Exception as exc:  # MLX's reader raises ValueError, RuntimeError, IndexError, MemoryError
+            raise ExportError(f"{path}: MLX cannot import this function ({type(exc).__name__}: {exc}); re-export "
+                              "the program") from exc
+
+
+def _check_tensors(directory: Path, manifest: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """The weights must hold exactly the arrays the manifest names, with the shapes it implies."""
+    import mlx.core as mx
+
+    path = directory / WEIGHTS
+    blocks = manifest["blocks"]
+    expected = {"rope.cos", "rope.sin", "head.norm", *(f"embed.{name}" for name in manifest["embed_arrays"]),
+                *(f"blocks.{i}.{name}" for i in range(blocks) for name in manifest["block_arrays"])}
+    if manifest["head_lm_weight"] == "head.lm_weight":
+        expected.add("head.lm_weight")
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ExportError(f"{path} lacks {missing[0]}: not this program's weights")
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise ExportError(f"{path} holds {extra[0]}, which manifest.json does not name: not this program's weights")
+    for name in manifest["block_arrays"]:
+        first = tensors[f"blocks.0.{name}"]
+        for i in range(1, blocks):
+            array = tensors[f"blocks.{i}.{name}"]
+            if array.shape != first.shape or array.dtype != first.dtype:
+                raise ExportError(f"{path}: blocks.{i}.{name} is {tuple(array.shape)} {array.dtype}, block 0's is "
+                                  f"{tuple(first.shape)} {first.dtype}: one block function cannot serve both")
+    seq, hidden, vocab = manifest["seq"], manifest["hidden"], manifest["vocab"]
+    cos, sin = tensors["rope.cos"], tensors["rope.sin"]
+    if cos.ndim != 2 or cos.shape[0] != seq or sin.shape != cos.shape:
+        raise ExportError(f"{path}: rope.cos {tuple(cos.shape)} and rope.sin {tuple(sin.shape)} are not the RoPE "
+                          f"tables of {seq} positions manifest.json's seq says")
+    if tuple(tensors["head.norm"].shape) != (hidden,):
+        raise ExportError(f"{path}: head.norm is {tuple(tensors['head.norm'].shape)}, not ({hidden},) as "
+                          "manifest.json's hidden says")
+    lm_weight = tensors[manifest["head_lm_weight"]]
+    if lm_weight.ndim != 2 or lm_weight.shape[0] != vocab:
+        raise ExportError(f"{path}: {manifest['head_lm_weight']} is {tuple(lm_weight.shape)}, not [{vocab}, ...] as "
+                          "manifest.json's vocab says")
+    for name in manifest["trainable"]:
+        array = tensors[name]
+        if not mx.issubdtype(array.dtype, mx.floating):
+            raise ExportError(f"{path}: the adapter {name} is {array.dtype}, not floating point")
+        if not bool(mx.all(mx.isfinite(array))):
+            raise ExportError(f"{path}: the adapter {name} holds NaN or infinity")
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _adamw_scalars(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> list[float]:
+    """adamw.mlxfn's scalar inputs (lr, weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps), or
+    ExportError naming the setting: each must be finite as a float32, the function's type."""
+    import numpy as np
+
+    lr = check_learning_rate(lr)
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ExportError(f"AdamW betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1, beta2 = betas
+    for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0)):
+        if not (_real(value) and math.isfinite(value) and low <= value < high):
+            raise ExportError(f"AdamW {name} must be a finite number in [{low}, {high}), got {value!r}")
+    # eps 0 divides the zero gradients of a fresh adapter by zero; eps or a decay past float32 is inf there.
+    if not (_real(eps) and math.isfinite(eps) and np.float32(eps) > 0 and eps <= 1.0):
+        raise ExportError(f"AdamW eps must be a number in (0, 1] that float32 holds above 0, got {eps!r}")
+    if not (_real(weight_decay) and math.isfinite(weight_decay) and 0 <= weight_decay <= 1e6):
+        raise ExportError(f"AdamW weight_decay must be a finite number in [0, 1e6], got {weight_decay!r}")
+    return [float(v) for v in (lr, weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps)]
 
 
 class MLXProgramTrainer:
     """Replays an exported MLX MeSP program with mx.import_function (what an app does): `step(inputs,
     targets)` returns the loss before the update; `adapters()` the trained LoRA arrays by model name. A step
-    is all or nothing: a non-finite loss, gradient or update changes nothing."""
+    is all or nothing: a non-finite loss, gradient or update, or a function that fails, changes nothing.
+    Loading checks every file against the manifest's sizes and SHA-256s before MLX reads it; anything damaged,
+    swapped, missing or not a regular file is an ExportError naming the file (and the field, for the manifest).
+    The files must not change while the trainer is being built."""
 
     runtime = "MLX (exported functions)"
 
@@ -178,27 +482,36 @@ class MLXProgramTrainer:
                  eps: float = 1e-8, weight_decay: float = 0.01) -> None:
         import mlx.core as mx
 
-        self.directory = Path(directory)
+        scalars = _adamw_scalars(lr, betas, eps, weight_decay)
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ExportError(f"the program directory must be a path, got {type(directory).__name__}")
         try:
-            self.manifest = json.loads((self.directory / "manifest.json").read_text())
+            # After a crash between atomic_write_directory's two renames the complete old version is aside.
+            self.directory = readable_directory(directory)
+            is_directory = self.directory.is_dir()
         except (OSError, ValueError) as exc:
-            raise ExportError(f"{self.directory}: no readable manifest.json: not an exported MLX program ({exc})") from exc
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != FORMAT_VERSION:
-            raise ExportError(f"{self.directory}: not an edgetrain MLX MeSP program of version {FORMAT_VERSION}")
-        try:
-            self.functions = {name: mx.import_function(str(self.directory / f"{name}.mlxfn")) for name in FUNCTIONS}
-            self.tensors = mx.load(str(self.directory / "weights.safetensors"))
-        except (ValueError, RuntimeError) as exc:
-            raise ExportError(f"{self.directory}: a damaged or missing function or weights file: {exc}") from exc
+            raise ExportError(f"{directory}: cannot read the program directory ({exc})") from None
+        if not is_directory:
+            state = "is not a directory" if os.path.lexists(self.directory) else "does not exist"
+            raise ExportError(f"{self.directory} {state}: an exported MLX program is a directory (edgetrain export "
+                              "--method mesp --runtime mlx)")
+        self.manifest = _read_manifest(self.directory)
+        _check_manifest(self.directory, self.manifest)
         manifest = self.manifest
-        missing = [f"blocks.{i}.{name}" for i in range(manifest["blocks"]) for name in manifest["block_arrays"]
-                   if f"blocks.{i}.{name}" not in self.tensors]
-        if missing:
-            raise ExportError(f"{self.directory}/weights.safetensors lacks {missing[0]}: not this program's weights")
-        check_learning_rate(lr)
-        beta1, beta2 = betas
-        self._scalars = [mx.array(value, dtype=mx.float32) for value in
-                         (lr, weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps)]
+        records = manifest["files"]
+        _verified_bytes(self.directory / WEIGHTS, records[WEIGHTS], keep=False)
+        try:
+            self.tensors = mx.load(str(self.directory / WEIGHTS), format="safetensors")
+        except Exception as exc:  # checked above: only a file changed since then gets here
+            raise ExportError(f"{self.directory / WEIGHTS}: MLX cannot load it ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(self.tensors, dict):
+            raise ExportError(f"{self.directory / WEIGHTS}: not a safetensors file of named arrays")
+        _check_tensors(self.directory, manifest, self.tensors)
+        self.functions = {}
+        for name in FUNCTIONS:
+            path = self.directory / f"{name}.mlxfn"
+            self.functions[name] = _import_verified(path, _verified_bytes(path, records[path.name], keep=True))
+        self._scalars = [mx.array(value, dtype=mx.float32) for value in scalars]
         self._moments = {name: (mx.zeros_like(self.tensors[name]), mx.zeros_like(self.tensors[name]))
                          for name in manifest["trainable"]}
         self.steps_done = 0
@@ -206,41 +519,77 @@ class MLXProgramTrainer:
     def _block(self, index: int) -> list:
         return [self.tensors[f"blocks.{index}.{name}"] for name in self.manifest["block_arrays"]]
 
+    def _token_ids(self, what: str, values: Any, ignore: int | None) -> Any:
+        """`values` as int32 [batch, seq] token ids in [0, vocab) (or `ignore`), or ExportError. The range is
+        checked before the cast: a narrowing cast would wrap an id far outside the vocabulary into it."""
+        import mlx.core as mx
+        import numpy as np
+
+        try:
+            array = np.asarray(values)
+        except Exception as exc:  # a ragged list, an object whose __array__ fails
+            raise ExportError(f"{what}: not an array of token ids ({type(exc).__name__}: {exc})") from None
+        expected = (self.manifest["batch"], self.manifest["seq"])
+        if array.dtype.kind not in "iu":
+            raise ExportError(f"{what}: token ids must be integers, got {array.dtype}")
+        if array.shape != expected:
+            raise ExportError(f"{what}: batches of {array.shape} tokens; the program takes {expected} (fixed at export)")
+        vocab = self.manifest["vocab"]
+        valid = array if ignore is None else array[array != ignore]
+        if valid.size == 0:
+            raise ExportError(f"{what}: every target is ignored ({ignore}): nothing to learn from")
+        low, high = int(valid.min()), int(valid.max())
+        if low < 0 or high >= vocab:
+            raise ExportError(f"{what}: token id {low if low < 0 else high} outside the vocabulary [0, {vocab})")
+        return mx.array(array.astype(np.int32))
+
+    def _run(self, name: str, arguments: list, shapes: list[tuple[int, ...]]) -> list:
+        """The outputs of function `name`, evaluated and of the shapes the schedule needs, or ExportError."""
+        import mlx.core as mx
+
+        try:
+            outputs = list(self.functions[name](*arguments))
+            mx.eval(*outputs)
+        except Exception as exc:  # MLX refuses inputs that do not fit the traced function with ValueError
+            raise ExportError(f"{self.directory / (name + '.mlxfn')} failed ({type(exc).__name__}: {exc}); nothing "
+                              "was changed") from exc
+        got = [tuple(output.shape) for output in outputs]
+        if got != [tuple(shape) for shape in shapes]:
+            raise ExportError(f"{self.directory / (name + '.mlxfn')} returned arrays of shapes {got}, not {shapes}: "
+                              "not this program's function; nothing was changed")
+        return outputs
+
     def step(self, inputs: Any, targets: Any) -> float:
         import mlx.core as mx
 
         manifest = self.manifest
-        inputs, targets = mx.array(inputs).astype(mx.int32), mx.array(targets).astype(mx.int32)
-        expected = (manifest["batch"], manifest["seq"])
-        if tuple(inputs.shape) != expected or tuple(targets.shape) != expected:
-            raise ExportError(f"batches of {tuple(inputs.shape)} tokens; the program takes {expected} (fixed at export)")
-        if int(inputs.min()) < 0 or int(inputs.max()) >= manifest["vocab"]:
-            raise ExportError(f"token ids outside the vocabulary [0, {manifest['vocab']})")
+        inputs = self._token_ids("inputs", inputs, None)
+        targets = self._token_ids("targets", targets, -100)
+        hidden_shape = (manifest["batch"], manifest["seq"], manifest["hidden"])
         cos, sin = self.tensors["rope.cos"], self.tensors["rope.sin"]
         embed = [self.tensors[f"embed.{name}"] for name in manifest["embed_arrays"]]
-        (hidden,) = self.functions["embed"](inputs, *embed)
+        (hidden,) = self._run("embed", [inputs, *embed], [hidden_shape])
         stored = []
         for index in range(manifest["blocks"]):
             stored.append(hidden)
-            (hidden,) = self.functions["block_forward"](hidden, cos, sin, *self._block(index))
-            mx.eval(hidden)
-        loss, grad = self.functions["head"](hidden, targets, self.tensors["head.norm"],
-                                            self.tensors[manifest["head_lm_weight"]])
-        mx.eval(loss, grad)
+            (hidden,) = self._run("block_forward", [hidden, cos, sin, *self._block(index)], [hidden_shape])
+        loss, grad = self._run("head", [hidden, targets, self.tensors["head.norm"],
+                                        self.tensors[manifest["head_lm_weight"]]], [(), hidden_shape])
         if not math.isfinite(float(loss)):
             raise NonFiniteError(f"the loss is {float(loss)}; nothing was changed")
+        lora_shapes = [tuple(self.tensors[f"blocks.0.{name}"].shape) for name in manifest["lora_arrays"]]
         grads = {}
         for index in reversed(range(manifest["blocks"])):
-            grad, *lora = self.functions["block_backward"](stored.pop(), grad, cos, sin, *self._block(index))
-            mx.eval(grad, *lora)
+            grad, *lora = self._run("block_backward", [stored.pop(), grad, cos, sin, *self._block(index)],
+                                    [hidden_shape, *lora_shapes])
             grads.update({f"blocks.{index}.{name}": g for name, g in zip(manifest["lora_arrays"], lora)})
         updated = {}
         for name, gradient in grads.items():
             m, v = self._moments[name]
             shape = gradient.shape
             # adamw is exported for vectors (shapeless keeps the rank): every array goes through it flat.
-            flat = self.functions["adamw"](*(t.reshape(-1) for t in (self.tensors[name], gradient, m, v)),
-                                           *self._scalars)
+            flat = self._run("adamw", [*(t.reshape(-1) for t in (self.tensors[name], gradient, m, v)),
+                                       *self._scalars], [(gradient.size,)] * 3)
             updated[name] = [t.reshape(shape) for t in flat]
             mx.eval(*updated[name])
             if not all(bool(mx.all(mx.isfinite(t))) for t in (gradient, *updated[name])):
@@ -252,4 +601,3 @@ class MLXProgramTrainer:
 
     def adapters(self) -> dict[str, Any]:
         return {name: self.tensors[name] for name in self.manifest["trainable"]}
-

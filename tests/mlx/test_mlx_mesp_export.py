@@ -75,14 +75,14 @@ def test_bad_files_batches_and_steps_are_refused_with_nothing_changed(tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(directory, broken)
     (broken / "block_backward.mlxfn").write_bytes(b"not a function")
-    with pytest.raises(ExportError, match="damaged or missing"):
+    with pytest.raises(ExportError, match="block_backward.mlxfn: 14 bytes, but manifest.json records"):
         MLXProgramTrainer(broken)
     (broken / "manifest.json").unlink()
     with pytest.raises(ExportError, match="manifest"):
         MLXProgramTrainer(broken)
     other = export_mlx_mesp(lora_tiny(layers=1), BATCH, SEQ, tmp_path / "other")
     shutil.copy(other / "weights.safetensors", tmp_path / "program" / "weights.safetensors")
-    with pytest.raises(ExportError, match="lacks blocks.1"):
+    with pytest.raises(ExportError, match="weights.safetensors: .* a truncated, extended or foreign file"):
         MLXProgramTrainer(directory)
 
     directory = export_mlx_mesp(lora_tiny(), BATCH, SEQ, tmp_path / "again")
