@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from edgetrain.adapters.formats import FORMATS  # noqa: F401  (re-exported)
+from edgetrain.files.space import check_free_space, tensor_bytes
 from edgetrain.models.llama import LlamaConfig
 from edgetrain.models.lora import AdapterError, LoraConfig, check_adapter_names, read_lora_file, write_lora_file
 
@@ -77,6 +78,8 @@ def _read_mlx_lm(path: Path, base: AdapterBase) -> tuple[LoraConfig, Tensors]:
 
 
 def _write_mlx_lm(config: LoraConfig, tensors: Tensors, path: Path, base: AdapterBase) -> Path:
+    # Made in a temp directory first, then written to `path` by mlx-lm's writer: its disk is checked before.
+    check_free_space(path, tensor_bytes(tensors.values()), "the adapter")
     with tempfile.TemporaryDirectory() as tmp:
         file = write_lora_file(config, tensors, Path(tmp) / "adapter.safetensors")
         return _mlx_adapters().torch_adapter_to_mlx_lm(file, path)

@@ -69,6 +69,7 @@ def write_gguf_lora(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
     except ImportError as exc:
         raise AdapterError(f"writing a GGUF adapter needs the gguf package (pip install 'edgetrain[gguf]'): "
                            f"{exc}") from None
+    from edgetrain.files.space import tensor_bytes
     from edgetrain.training.checkpoint import atomic_write_file
 
     arrays: dict[str, np.ndarray] = {}
@@ -93,7 +94,7 @@ def write_gguf_lora(config: LoraConfig, tensors: dict[str, torch.Tensor], path: 
             writer.add_tensor(gguf_name, array)
         finish_gguf(writer)
 
-    return atomic_write_file(path, fill)
+    return atomic_write_file(path, fill, needed=tensor_bytes(arrays.values()))
 
 
 def _block_order(name: str) -> tuple[int, str]:

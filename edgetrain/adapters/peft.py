@@ -65,6 +65,7 @@ def write_peft_adapter(config: LoraConfig, tensors: dict[str, torch.Tensor], dir
     """Adapter `tensors` (edgetrain names) with `config` as a PEFT adapter directory, written atomically."""
     from safetensors.torch import save_file
 
+    from edgetrain.files.space import tensor_bytes
     from edgetrain.training.checkpoint import atomic_write_directory
 
     renamed = {peft_key(name): t.detach().to("cpu").contiguous() for name, t in tensors.items()}
@@ -77,7 +78,7 @@ def write_peft_adapter(config: LoraConfig, tensors: dict[str, torch.Tensor], dir
         save_file(renamed, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2))
 
-    return atomic_write_directory(directory, fill)
+    return atomic_write_directory(directory, fill, needed=tensor_bytes(renamed.values()))
 
 
 def _config_from_peft(raw: Any, source: Path) -> LoraConfig:

@@ -73,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     except EdgetrainError as exc:
         print(f"edgetrain {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        from edgetrain.files.space import disk_full_error, is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        # Every writer of edgetrain names a full disk itself; a library's own write (or one missed) still ends
+        # in the sentence, not a traceback.
+        where = exc.filename or "its output"
+        print(f"edgetrain {args.command}: error: {disk_full_error(where, part_way=True)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"edgetrain {args.command}: interrupted", file=sys.stderr)
         return 130

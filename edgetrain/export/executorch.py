@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from edgetrain.registry import Registry
+from edgetrain.files.space import check_free_space, tensor_bytes
 from edgetrain.training.checkpoint import atomic_write_bytes
 from edgetrain.utils.logs import get_logger
 from edgetrain.utils.progress import stage_progress
@@ -263,6 +264,10 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
     from torch.export.experimental import _export_forward_backward
 
     trainable_names(model)
+    if path is not None:
+        # The program holds the model's weights as constants: a disk that cannot hold them is refused before
+        # the lowering (tens of seconds to minutes) starts.
+        check_free_space(path, tensor_bytes(model.parameters()), "the program")
     was_training = model.training
     model.train()
     module = LossModule(model)

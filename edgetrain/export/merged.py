@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgetrain.files.space import tensor_bytes
 from edgetrain.models.gguf.writing import finish_gguf
 from edgetrain.models.decoders import architecture_names, architecture_of
 from edgetrain.models.hf_checkpoint import norm_offset
@@ -134,7 +135,7 @@ def save_merged_hf(model: nn.Module, directory: str | Path, dtype: torch.dtype |
         (staging / "config.json").write_text(json.dumps(hf_config_dict(config, dtype, tokenizer), indent=2))
         _write_tokenizer(tokenizer, staging)
 
-    return atomic_write_directory(directory, fill)
+    return atomic_write_directory(directory, fill, needed=tensor_bytes(tensors.values()))
 
 
 def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, dtype: str = "f16") -> Path:
@@ -190,4 +191,4 @@ def save_merged_gguf(model: nn.Module, base_gguf: str | Path, path: str | Path, 
             writer.add_tensor(name, array)
         finish_gguf(writer)
 
-    return atomic_write_file(path, fill)
+    return atomic_write_file(path, fill, needed=tensor_bytes(array for _, array in arrays))

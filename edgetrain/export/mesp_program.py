@@ -39,8 +39,9 @@ from edgetrain.export.mesp_graph import (ADAMW_SCALARS, AdamWPiece, BlockBackwar
                                          BlockLayout, EmbedPiece, HeadPiece, MatrixFormat, ProjectionLayout,
                                          pack_row_halves, sign_codes)
 from edgetrain.export.trainable import ExportError
-from edgetrain.export.weights_file import WeightsFile, WeightsFileError, write_weights_file
+from edgetrain.export.weights_file import WeightsFile, WeightsFileError, weights_file_bytes, write_weights_file
 from edgetrain.files.atomic import atomic_write_bytes, ensure_writable_target
+from edgetrain.files.space import check_free_space, check_room_for, tensor_bytes
 from edgetrain.methods.base import NonFiniteError
 from edgetrain.methods.configs import MeSPConfig
 from edgetrain.methods.mesp.block import PROJECTIONS, BlockWeights, rope_tables
@@ -326,6 +327,12 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
               "adamw": AdamWPiece()}
     examples = _example_inputs(shape, (cos, sin), frozen[0], embed_tensors,
                                [model.head.norm.weight.detach(), *head_tensors], adapters[0])
+    weights = weights_path_for(out)
+    # Lowering takes minutes with XNNPACK: a disk that cannot hold the weights file (the bytes of the tensors
+    # it will hold, known now) is refused before it starts, not after.
+    check_free_space(weights, tensor_bytes([cos, sin, *embed_tensors, model.head.norm.weight,
+                                            *([] if tied else head_tensors), *(t for block in frozen for t in block),
+                                            *adapters]), "the program's weights file")
     program = lower_methods(pieces, examples, delegate)
     program_crc = zlib.crc32(program)
 
@@ -375,7 +382,9 @@ def export_mesp_program(model: nn.Module, batch_size: int, seq_len: int, out: st
                                        for name, part, offset, part_shape in layout.adapter_slices()]},
                 "chunks": {"attention": config.attention_chunk, "mlp": config.mlp_chunk,
                            "loss": config.loss_chunk, "vocab": vocab_chunk}}
-    weights = weights_path_for(out)
+    # Both sizes are known now: a disk that cannot take the two is refused before either is written, so a
+    # full disk never leaves new weights beside the old program (a previous export stays usable).
+    check_room_for({weights: weights_file_bytes(tensors, manifest), out: len(program)}, "the program's weights file")
     # The weights first: a crash between the two leaves an old program whose crc no longer matches the new
     # weights, which a runner refuses, rather than a new program with no weights.
     write_weights_file(weights, tensors, manifest)
@@ -421,8 +430,10 @@ class MeSPProgramTrainer:
                  optimizer: AdamWSettings | None = None) -> None:
         from edgetrain.export.executorch import load_program
 
-        self.program_path = Path(program)
+        from edgetrain.files.user import require_regular_file
+
         self.weights = WeightsFile(weights or weights_path_for(program))
+        self.program_path = require_regular_file(program, ExportError, "the program")
         try:
             # The runtime reads the program from this buffer without copying it: it lives as long as we do.
             self._program_bytes = self.program_path.read_bytes()
@@ -441,10 +452,14 @@ class MeSPProgramTrainer:
         self.steps_done = 0
 
     def _check_pair(self, program_bytes: bytes) -> ProgramShape:
-        manifest, meta = self.weights.manifest, self.weights.tensor("program.meta").tolist()
-        if meta[0] != FORMAT_VERSION or manifest.get("format") != "edgetrain-mesp-program":
+        manifest, meta = self.weights.manifest, self.weights.tensor("program.meta")
+        meta = meta.tolist() if meta.dtype == torch.int64 and meta.dim() == 1 else []
+        if (len(meta) != 8 or meta[0] != FORMAT_VERSION or not isinstance(manifest, dict)
+                or manifest.get("format") != "edgetrain-mesp-program"):
             raise WeightsFileError(f"{self.weights.path}: not a MeSP program's weights file (format version "
-                                   f"{meta[0]}, this edgetrain reads {FORMAT_VERSION})")
+                                   f"{meta[0] if meta else None}, this edgetrain reads {FORMAT_VERSION})")
+        if min(meta[1:7]) < 1:
+            raise WeightsFileError(f"{self.weights.path}: program.meta is damaged (sizes {meta[1:7]})")
         if zlib.crc32(program_bytes) != meta[7]:
             raise ExportError(f"{self.program_path} is not the program {self.weights.path} was written with "
                               "(another model or shape, or a damaged file): export them again together")
@@ -452,10 +467,11 @@ class MeSPProgramTrainer:
 
     def _names(self, index_tensor: str) -> list[str]:
         order = list(self.weights.entries)
-        try:
-            return [order[i] for i in self.weights.tensor(index_tensor).tolist()]
-        except IndexError as exc:
-            raise WeightsFileError(f"{self.weights.path}: {index_tensor} points past the file's tensors") from exc
+        indices = self.weights.tensor(index_tensor)
+        # A negative index would pick a tensor from the end: as damaged as one past it.
+        if indices.dtype != torch.int64 or any(not 0 <= i < len(order) for i in indices.flatten().tolist()):
+            raise WeightsFileError(f"{self.weights.path}: {index_tensor} points past the file's tensors")
+        return [order[i] for i in indices.flatten().tolist()]
 
     def _run(self, method: str, inputs: tuple) -> list[torch.Tensor]:
         try:

@@ -12,7 +12,9 @@ loss block of its own (the model's output already is the loss) and an SGD optimi
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
+import math
 import os
 import warnings
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgetrain.files.space import says_disk_full
 from edgetrain.training.checkpoint import atomic_write_directory, readable_directory
 from edgetrain.data.batch import Batch
 from edgetrain.export.trainable import (WRAPPED_PREFIX, BatchSignature, ExportError, LossModule, require,
@@ -88,6 +91,7 @@ def to_onnx(model: nn.Module, batch: Batch):
 def export_onnxruntime(model: nn.Module, batch: Batch, directory: str | Path) -> Path:
     """Write the ONNX Runtime training artifacts of `model` (trainable weights as set by requires_grad)."""
     _require_onnxruntime_training()
+    from onnx import helper
     from onnxruntime.training import artifacts
 
     wanted = {WRAPPED_PREFIX + name for name in trainable_names(model)}
@@ -107,10 +111,15 @@ def export_onnxruntime(model: nn.Module, batch: Batch, directory: str | Path) ->
                                              loss=None, optimizer=artifacts.OptimType.SGD,
                                              artifact_directory=str(new))
         except Exception as exc:  # e.g. "No gradient builder for op X"
+            if says_disk_full(exc):  # the disk, not the graph: atomic_write_directory names it
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
             raise ExportError(f"ONNX Runtime could not build the training graph: {type(exc).__name__}: {exc}") from exc
 
-    # The four artifacts must come from one export: built aside and swapped in as one step.
-    return atomic_write_directory(directory, fill)
+    # The four artifacts must come from one export: built aside and swapped in as one step. Its checkpoint
+    # holds every weight, so a disk without room for them is refused before the artifacts are built.
+    weights = sum(math.prod(init.dims) * helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+                  for init in onnx_model.graph.initializer)
+    return atomic_write_directory(directory, fill, needed=weights)
 
 
 @contextlib.contextmanager

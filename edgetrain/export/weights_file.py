@@ -18,6 +18,7 @@ as a MeSP program reads them: edgetrain/export/mesp_graph.py, MatrixFormat).
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 import warnings
@@ -81,8 +82,16 @@ def _header(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple
     return bytes(body), entries
 
 
+def weights_file_bytes(tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> int:
+    """The size of the weights file of `tensors` and `manifest`, known before any of it is written (from the
+    header alone: no tensor is copied)."""
+    body, entries = _header(manifest, tensors)
+    return max([8 + 4 + len(body)] + [entry.offset + entry.nbytes for entry in entries])
+
+
 def write_weights_file(path: str | Path, tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> Path:
-    """Write `tensors` (in this order) and `manifest` crash-safe: the old file stays until the new one is whole."""
+    """Write `tensors` (in this order) and `manifest` crash-safe: the old file stays until the new one is whole,
+    and a disk without room for it is refused (DiskFullError) before anything is written."""
     body, entries = _header(manifest, tensors)
     chunks: list[bytes] = [body]
     position = 8 + 4 + len(body)
@@ -101,14 +110,16 @@ def write_weights_file(path: str | Path, tensors: dict[str, torch.Tensor], manif
             for chunk in chunks:
                 handle.write(chunk)
 
-    return atomic_write_file(path, write)
+    return atomic_write_file(path, write, needed=8 + 4 + sum(len(chunk) for chunk in chunks))
 
 
 class WeightsFile:
     """A weights file mapped read-only: `tensor(name)` is a view into the mapping (no copy)."""
 
     def __init__(self, path: str | Path, verify: bool = True) -> None:
-        self.path = Path(path)
+        from edgetrain.files.user import require_regular_file
+
+        self.path = require_regular_file(path, WeightsFileError, "the weights file")
         try:
             handle = open(self.path, "rb")
         except OSError as exc:
@@ -140,11 +151,16 @@ class WeightsFile:
                 offset += 4 + name_length
                 code, ndim = struct.unpack_from("<II", self._map, offset)
                 offset += 8
+                if ndim > 8:
+                    raise ValueError(f"tensor {name}: {ndim} dimensions")
                 *shape, data_offset, nbytes = struct.unpack_from(f"<{ndim}qQQ", self._map, offset)
                 offset += 8 * ndim + 16
                 dtype = CODE_DTYPES[code]
-                expected = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-                if min(shape, default=0) < 0 or nbytes != expected or data_offset + nbytes > size:
+                element = torch.empty((), dtype=dtype).element_size()
+                # Python's exact product: numpy's int64 one wraps, and a huge shape over 0 bytes would pass.
+                expected = math.prod(shape) * element
+                if (min(shape, default=0) < 0 or nbytes != expected or data_offset + nbytes > size
+                        or data_offset % element):
                     raise ValueError(f"tensor {name}: shape {shape}, {nbytes} bytes at {data_offset}")
                 entries[name] = TensorEntry(name, dtype, tuple(shape), data_offset, nbytes)
         except (struct.error, KeyError, ValueError, UnicodeDecodeError) as exc:

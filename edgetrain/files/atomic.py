@@ -52,12 +52,27 @@ def output_path_error(path: Path, exc: OSError | ValueError, what: str = "output
     return OutputPathError(f"{what} {path} cannot be written in {blocker} ({reason})")
 
 
+def make_directory(directory: str | Path, what: str = "directory") -> Path:
+    """Create `directory` (and the ones above it): a full disk is a DiskFullError naming it, any other failure
+    an OutputPathError naming the part of the path that stops it."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(directory, what=what) from None
+        raise output_path_error(directory, exc, what) from None
+    return directory
+
+
 def make_parent(path: Path, what: str = "output") -> None:
     """Create `path`'s directory (and the ones above it), or raise OutputPathError naming the part of the
-    path that stops it."""
+    path that stops it (DiskFullError when the disk is full)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(path.parent, what="directory") from None
         raise output_path_error(path, exc, what) from None
     if not path.parent.is_dir():  # mkdir(exist_ok=True) accepts a symlink to a file
         raise output_path_error(path, NotADirectoryError(20, "Not a directory"), what)
@@ -220,7 +235,7 @@ def atomic_write_file(path: str | Path, fill: Callable[[Path], object], needed: 
         return _atomic_write_file(path, fill, needed)
     except OSError as exc:
         if is_disk_full(exc) and not isinstance(exc, EdgetrainError):
-            raise disk_full_error(path, needed) from None
+            raise disk_full_error(path, needed, part_way=True) from None
         raise
 
 
@@ -349,28 +364,32 @@ def _carry_over(old: Path, new: Path) -> None:
             _link_or_copy(entry.path, str(target))
 
 
-def atomic_write_directory(path: str | Path, fill: Callable[[Path], object]) -> Path:
+def atomic_write_directory(path: str | Path, fill: Callable[[Path], object], needed: int | None = None) -> Path:
     """Replace directory `path` by what `fill(temp_dir)` writes, as one step: a reader sees the old
     contents or the complete new ones, never a mix (files of the old directory that `fill` does not write
     are kept). The new directory is built in a temp sibling, then swapped in by two renames:
     path -> .NAME.old, temp -> path. A crash between them leaves .NAME.old complete; readers use it
     (readable_directory) and the next save of `path` renames it back before anything else. A full disk is a
-    DiskFullError naming the directory, with the temp removed and the old directory as it was."""
+    DiskFullError naming the directory, with the temp removed and the old directory as it was; `needed`, what
+    the new contents take at least when known (their tensors' bytes), is checked against the free space
+    before `fill` runs."""
     try:
-        return _atomic_write_directory(Path(path), fill)
+        return _atomic_write_directory(Path(path), fill, needed)
     except OSError as exc:
         if is_disk_full(exc) and not isinstance(exc, EdgetrainError):
-            raise disk_full_error(Path(path), what="directory") from None
+            raise disk_full_error(Path(path), needed, what="directory", part_way=True) from None
         raise
 
 
-def _atomic_write_directory(path: Path, fill: Callable[[Path], object]) -> Path:
+def _atomic_write_directory(path: Path, fill: Callable[[Path], object], needed: int | None) -> Path:
     make_parent(path)
     if path.is_symlink():
         path = path.resolve()
     if path.exists() and not path.is_dir():
         raise OutputPathError(f"output {path} exists and is not a directory; a directory is written there")
     _recover_directory(path)
+    if needed is not None:
+        check_free_space(path, needed, "directory")
     tmp = _make_temp(path, ".tmpdir", directory=True)
     backup = _backup_path(path)
     moved_aside = False

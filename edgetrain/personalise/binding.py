@@ -88,13 +88,14 @@ def bind(store: Store, directory: Path, model: str | Path, loaded: Any, kind: Mo
     check_method(backend_name, method)
     lora = lora if kind.task == "lm" else None
     from edgetrain.backends import get_backend
+    from edgetrain.files.atomic import make_directory
 
     # The adapters' random init is the base every window from the base starts with: seeded, so that the same
     # seed gives the same store in any process, whatever drew random numbers before.
     get_backend(backend_name).make_engine().seed(seed)
     trainer.prepare(loaded, lora or {})
     base = directory / BASE / trainer.version_file
-    base.parent.mkdir(exist_ok=True)
+    make_directory(base.parent, "the store's base adapter directory")
     trainer.save(loaded, base)
     record = {"name": model_key(model), "method": method, "kind": kind.to_dict(), "lora": lora,
               "holdout_every": holdout_every or 5, "created_backend": backend_name, "load": load.to_record(),

@@ -20,7 +20,8 @@ An event is a dict with "event" (its type), "time" (seconds since the epoch) and
 - version_damaged: a stored version failed its checksum and is no longer served (version)
 
 The log is appended one line per write(2) to a file opened for appending, so a process killed at any
-moment leaves whole lines (at worst the last one missing); past `rotate_bytes` the file is renamed to
+moment leaves whole lines (at worst the last one missing); a full disk is a DiskFullError naming the log,
+with the part of the line that was written cut off again; past `rotate_bytes` the file is renamed to
 `events.jsonl.1` (replacing the previous one) and a new one begins.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from edgetrain.files.space import disk_full_error, is_disk_full
 from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
@@ -71,12 +73,33 @@ class EventLog:
         try:
             descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:
+            if is_disk_full(exc):
+                raise disk_full_error(self.path, len(line), "the event log") from None
             log.warning("cannot write the event log %s (%s); the event was %s", self.path, exc, record["event"])
             return
         try:
-            os.write(descriptor, line)
+            start = os.fstat(descriptor).st_size
+            try:
+                written = os.write(descriptor, line)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                written = -1
+            if written != len(line):  # a full disk: what came out is cut back, so the log stays whole lines
+                _cut_back(descriptor, start, max(written, 0))
+                raise disk_full_error(self.path, len(line), "the event log")
         finally:
             os.close(descriptor)
+
+
+def _cut_back(descriptor: int, start: int, written: int) -> None:
+    """Remove the `written` bytes of a torn line appended at `start`, unless another writer appended since
+    (its line is not ours to cut: read_events skips a torn line anyway)."""
+    try:
+        if os.fstat(descriptor).st_size == start + written:
+            os.ftruncate(descriptor, start)
+    except OSError:
+        pass
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:

@@ -173,9 +173,10 @@ class RetainSet:
             raise RetainSetError("the base model gave no answer with any token to score to the retain prompts")
         seconds = time.perf_counter() - started
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        self.path.parent.mkdir(exist_ok=True)
-        from edgetrain.files.atomic import atomic_write_bytes  # here: it loads torch, which adding examples never needs
+        # Imported here: it loads torch, which adding examples never needs.
+        from edgetrain.files.atomic import atomic_write_bytes, make_directory
 
+        make_directory(self.path.parent, "the retain set's directory")
         atomic_write_bytes(lines.encode("utf-8"), self.path)
         self.store.set_meta("retain", {"prompts_digest": prompts_digest, "count": len(records),
                                        "sha256": hashlib.sha256(lines.encode("utf-8")).hexdigest(),

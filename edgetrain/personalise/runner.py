@@ -154,20 +154,29 @@ class Runner:
         with run_lock(owner.directory):
             owner.require_model()
             self.active = True
+            failure: BaseException | None = None
             try:
                 self.windows.clean_up()
                 result.reason = self.loop(result, max_steps, deadline, wait)
-            except BaseException:
+            except BaseException as exc:
                 result.reason = "error"
+                failure = exc
                 raise
             finally:
                 self.active = False
                 self.acknowledge()
                 try:
-                    self.windows.checkpoint()
-                finally:
-                    self.windows.current = None
-                owner.events.emit("stopped", reason=result.reason, steps=result.steps)
+                    try:
+                        self.windows.checkpoint()
+                    finally:
+                        self.windows.current = None
+                    owner.events.emit("stopped", reason=result.reason, steps=result.steps)
+                except Exception as exc:
+                    if failure is None:
+                        raise
+                    # The run's own error says what stopped it (a full disk names the file it could not
+                    # write); the last checkpoint failing too, on the same disk, must not replace it.
+                    log.warning("after %s, the run's last checkpoint failed too: %s", type(failure).__name__, exc)
         return result
 
     def acknowledge(self) -> None:

@@ -23,9 +23,9 @@ import sqlite3
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from edgetrain.files.space import free_bytes
+from edgetrain.files.space import free_bytes, is_disk_full
 from edgetrain.personalise.errors import DamagedStoreError, StoreBusyError, StoreError, StoreFullError, StoreVersionError
 from edgetrain.personalise.events import EventLog
 from edgetrain.personalise.examples import Example, ModelKind, parse_example
@@ -83,6 +83,7 @@ CREATE TABLE IF NOT EXISTS version_retain (
 # journal reports when the disk fills: told apart from a failing disk by the free space left).
 _SQLITE_FULL, _SQLITE_IOERR = 13, 10
 _NEARLY_FULL_BYTES = 1 << 20
+_WAL_SIZE_LIMIT = 1 << 20
 
 
 def _disk_full(exc: sqlite3.Error, path: Path) -> bool:
@@ -95,14 +96,24 @@ def _disk_full(exc: sqlite3.Error, path: Path) -> bool:
     return code & 0xFF == _SQLITE_IOERR and free is not None and free < _NEARLY_FULL_BYTES
 
 
-def _translate(exc: sqlite3.Error, path: Path) -> StoreError:
+def store_full_error(path: Path, needed: int | None = None, said: str | None = None) -> StoreFullError:
+    """The store at `path` has no room: what it needed (when known) and what is free, and what SQLite said."""
+    free = free_bytes(path.parent)
+    sizes = ", ".join(part for part in (f"it needs {needed:,} bytes" if needed is not None else "",
+                                        f"{free:,} bytes free in {path.parent}" if free is not None else "") if part)
+    return StoreFullError(f"{path}: no space left on the device for the store" + (f" ({sizes})" if sizes else "")
+                          + "; nothing was written and the examples and versions already stored are as they were "
+                          "(free some space and run it again" + (f"; SQLite said: {said})" if said else ")"))
+
+
+def _translate(exc: sqlite3.Error, path: Path, give_back: Callable[[], None] | None = None) -> StoreError:
+    """The store's named error for SQLite's `exc`. On a full disk `give_back` (when given) runs first, so that
+    the free space the error reports is what is left once the failed transaction's space is returned."""
     message = str(exc)
     if _disk_full(exc, path):
-        free = free_bytes(path.parent)
-        return StoreFullError(f"{path}: no space left on the device for the store"
-                              + (f" ({free:,} bytes free in {path.parent})" if free is not None else "")
-                              + f"; nothing was written and the examples and versions already stored are as they "
-                              f"were (free some space and run it again; SQLite said: {message})")
+        if give_back is not None:
+            give_back()
+        return store_full_error(path, said=message)
     if isinstance(exc, sqlite3.OperationalError):
         if "locked" in message or "busy" in message:
             return StoreBusyError(f"{path}: another writer held the store for more than {BUSY_TIMEOUT_S:g} s ({message})")
@@ -124,6 +135,11 @@ class Store:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            if is_disk_full(exc):
+                free = free_bytes(self.directory)
+                raise StoreFullError(f"cannot create the store {self.directory}: no space left on the device"
+                                     + (f" ({free:,} bytes free)" if free is not None else "")
+                                     + "; free some space and run it again") from None
             raise StoreError(f"cannot create the store {self.directory} ({exc.strerror or exc})") from None
         self.path = self.directory / DATABASE
         self.events = events if events is not None else EventLog(self.directory / EVENTS)
@@ -143,6 +159,9 @@ class Store:
             connection.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             connection.execute("PRAGMA synchronous = FULL")  # a commit is on disk before add returns
             connection.execute("PRAGMA secure_delete = ON")  # forgotten examples are overwritten
+            # A checkpoint truncates the WAL to this: a transaction that failed on a full disk leaves its frames
+            # in the WAL, which would otherwise keep that space for good once the disk has room again.
+            connection.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
         except sqlite3.Error as exc:
             raise _translate(exc, self.path) from None
         self._local.connection, self._local.pid = connection, os.getpid()
@@ -184,8 +203,17 @@ class Store:
             except sqlite3.Error:
                 pass
             if isinstance(exc, sqlite3.Error):
-                raise _translate(exc, self.path) from None
+                raise _translate(exc, self.path, lambda: self._truncate_wal(connection)) from None
             raise
+
+    @staticmethod
+    def _truncate_wal(connection: sqlite3.Connection) -> None:
+        """Give back the space a rolled-back transaction's frames took in the WAL: SQLite keeps the file at its
+        size, so after a full disk the store itself would hold the space the user is asked to free."""
+        try:
+            connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error:
+            pass  # another connection is reading: its next checkpoint truncates the WAL
 
     @contextmanager
     def reading(self) -> Iterator[sqlite3.Connection]:
@@ -293,6 +321,7 @@ class Store:
         parsed = [parse_example(example) for example in examples]
         if not parsed:
             return []
+        self._check_room(parsed)
         import time
 
         dropped: list[tuple[str, int]] = []
@@ -310,6 +339,14 @@ class Store:
             self.events.emit("examples_dropped", ids=[i for i, _ in dropped], count=len(dropped),
                              bytes=sum(b for _, b in dropped), reason="retention cap")
         return [example.id for example in parsed]
+
+    def _check_room(self, examples: Sequence[Example]) -> None:
+        """Refuse examples whose text alone is more than the disk has free, before SQLite writes any of it: a
+        transaction that fails on a full disk leaves its pages in the WAL until the disk has room again."""
+        needed = sum(len(example.body.encode("utf-8")) for example in examples)
+        free = free_bytes(self.path.parent)
+        if free is not None and needed > free:
+            raise store_full_error(self.path, needed)
 
     def retention(self) -> tuple[int | None, int | None]:
         """(max examples, max bytes) kept; None where there is no cap."""
@@ -352,6 +389,7 @@ class Store:
         """Add examples the app marks as general (the retain set's, not the user's: never held out, never
         trained on but by replay, not subject to the retention cap or forget) in one transaction; their ids."""
         parsed = [parse_example(example) for example in examples]
+        self._check_room(parsed)
         with self.transaction() as connection:
             kind = self.model_kind(connection)
             if kind is not None:

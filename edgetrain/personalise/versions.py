@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from edgetrain.files.atomic import fsync_directory
-from edgetrain.personalise.errors import NothingToRollBackError, PersonaliseError
+from edgetrain.files.atomic import fsync_directory, make_directory
+from edgetrain.personalise.errors import NothingToRollBackError, PersonaliseError, StoreError
 from edgetrain.personalise.store import Store
 
 VERSIONS = "versions"
@@ -118,10 +118,31 @@ class Versions:
             number = self._next_number(connection)
         target_directory = self.directory / f"v{number:06d}"
         target = target_directory / candidate.name
-        target_directory.mkdir(parents=True, exist_ok=True)
+        make_directory(target_directory, "the version directory")
         os.replace(candidate, target)
         fsync_directory(target_directory)
         fsync_directory(self.directory)
+        try:
+            promoted_number, pruned = self._record(number, target, parent=parent, generation=generation,
+                                                   metric=metric, value=value, reference=reference,
+                                                   held_out=held_out, trained=trained, steps=steps, keep=keep,
+                                                   retain=retain)
+        except StoreError:
+            # SQLite rolled the transaction back (the disk is full, say), so no row names the directory: its
+            # space goes back now, not at the next run's clean-up. The promoted version is the one before.
+            _remove(target_directory)
+            raise
+        if promoted_number is None:
+            _remove(target_directory)
+        for path in pruned:
+            _remove(path)
+        return promoted_number
+
+    def _record(self, number: int, target: Path, *, parent: int | None, generation: int, metric: str, value: float,
+                reference: float | None, held_out: int, trained: Sequence[str], steps: int, keep: int,
+                retain: tuple[float, float] | None) -> tuple[int | None, list[Path]]:
+        """promote()'s transaction: the version's rows, made the promoted one; (its number, or None when the
+        window no longer applies; the directories of the versions it pruned)."""
         pruned: list[Path] = []
         with self.store.transaction() as connection:
             if self.generation(connection) != generation:
@@ -144,11 +165,7 @@ class Versions:
                 self.store.set_meta("last_version", number, connection)
                 pruned = self._prune(connection, keep, number)
                 promoted_number = number
-        if promoted_number is None:
-            _remove(target_directory)
-        for path in pruned:
-            _remove(path)
-        return promoted_number
+        return promoted_number, pruned
 
     def _prune(self, connection: sqlite3.Connection, keep: int, promoted: int) -> list[Path]:
         rows = connection.execute("SELECT version, path FROM versions ORDER BY version DESC").fetchall()
@@ -239,7 +256,7 @@ class Versions:
         suffix = {"edgetrain": ".safetensors", "gguf": ".gguf"}.get(target_format, "")
         target = source.parent / "export" / f"{target_format}{suffix}"
         if not target.exists():
-            target.parent.mkdir(exist_ok=True)
+            make_directory(target.parent, "the version's export directory")
             convert_adapter(source, target, target_format, base_model=base_model, base_config=base_config)
         return target
 

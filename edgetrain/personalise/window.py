@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from edgetrain.files.atomic import make_directory
 from edgetrain.personalise.errors import BadExampleError
 from edgetrain.personalise.examples import example_from_body, is_held_out
 from edgetrain.personalise.kinds import NotEnoughData, ReplaySampler, gate, write_snapshot
@@ -192,7 +193,7 @@ class Windows:
                                 f"is held out, chosen by id; {len(train_records)} training examples)")
         directory = self.directory
         shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
+        make_directory(directory, "the window directory")
         write_snapshot(train_records, directory / "train.jsonl")
         write_snapshot(held_records, directory / "held_out.jsonl")
         state = {"number": number, "start": None if start is None else start.version, "generation": generation,
@@ -391,7 +392,7 @@ class Windows:
                       by=better, margin=owner.margin, **retain)
         if promote:
             candidate = self.directory / "candidate" / trainer.version_file
-            candidate.parent.mkdir(exist_ok=True)
+            make_directory(candidate.parent, "the candidate's directory")
             trainer.save(model, candidate)
             number = owner.versions.promote(candidate, parent=state["start"], generation=state["generation"],
                                             metric=trainer.metric, value=value, reference=reference,

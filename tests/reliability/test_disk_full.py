@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+import fault_tally
 from edgetrain.cli import main
 from edgetrain.files.atomic import atomic_write_bytes, atomic_write_directory, atomic_write_file
-from edgetrain.files.space import DiskFullError
+from edgetrain.files.space import DiskFullError, free_bytes
 
 CORPUS = "the device learns where it runs, and keeps what it learned. " * 200
 TRAIN = ["train", "--model", "tiny", "--method", "mesp", "--steps", "4", "--seq", "32", "--batch", "2",
@@ -52,33 +53,56 @@ def _enospc(*_args, **_kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def fill_up(directory: Path, leave: int = 64 * 1024) -> Path:
+    """Another app's file that takes all but `leave` bytes of the disk holding `directory`."""
+    filler = directory / "another-app.bin"
+    filler.write_bytes(b"\0" * max(0, free_bytes(directory) - leave))
+    return filler
+
+
+def cli_refuses(argv: list[str], capsys, *says: str) -> str:
+    """Run `edgetrain ARGV`, which must end in exit status 2 with one sentence on stderr saying `says` (no
+    traceback); counted as a refusal of the full-disk class. What it said."""
+    code = main(argv)
+    said = capsys.readouterr().err
+    lines = [line for line in said.splitlines() if "error:" in line]
+    sound = (code == 2 and len(lines) == 1 and "Traceback" not in said
+             and all(part in lines[0] for part in ("no space left on the device", *says)))
+    fault_tally.record("full disk", "refused" if sound else "silently wrong")
+    assert sound, f"exit {code}: {said}"
+    return lines[0]
+
+
 def test_a_write_that_runs_out_of_space_is_named_and_leaves_the_old_file(tmp_path, monkeypatch):
     target = tmp_path / "state.bin"
     atomic_write_bytes(b"old contents", target)
     monkeypatch.setattr(os, "fsync", _enospc)
-    with pytest.raises(DiskFullError, match=rf"no space left on the device to write {target}.*nothing already"):
-        atomic_write_file(target, lambda tmp: tmp.write_bytes(b"new contents"))
+    error = fault_tally.refused("full disk", lambda: atomic_write_file(target, lambda tmp: tmp.write_bytes(b"new")),
+                                match=f"no space left on the device to write {target}: it did not fit")
+    assert isinstance(error, DiskFullError) and "nothing already there was changed" in str(error)
     assert target.read_bytes() == b"old contents"
     assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]  # the temp is gone
-    with pytest.raises(OSError) as raised:  # an OSError too, with the file system's errno
-        atomic_write_bytes(b"new", target)
-    assert raised.value.errno == errno.ENOSPC
+    error = fault_tally.refused("full disk", lambda: atomic_write_bytes(b"new", target))
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC  # an OSError too, with the file system's errno
 
 
 def test_a_directory_write_that_runs_out_of_space_keeps_the_old_directory(tmp_path, monkeypatch):
     target = tmp_path / "adapter"
     atomic_write_directory(target, lambda tmp: (tmp / "weights").write_bytes(b"old"))
     monkeypatch.setattr(os, "fsync", _enospc)
-    with pytest.raises(DiskFullError, match="directory"):
-        atomic_write_directory(target, lambda tmp: (tmp / "weights").write_bytes(b"new"))
+    fault_tally.refused("full disk", lambda: atomic_write_directory(target, lambda tmp: (tmp / "weights").write_bytes(b"new")),
+                        match=f"directory {target}: it did not fit")
     assert (target / "weights").read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
 
 def test_a_write_whose_size_is_known_is_refused_before_anything_is_written(small_disk):
     disk = small_disk(64)
-    with pytest.raises(DiskFullError, match=r"it needs 200,000 bytes, [\d,]+ bytes free"):
-        atomic_write_bytes(b"x" * 200_000, disk / "big.bin")
+    fault_tally.refused("full disk", lambda: atomic_write_bytes(b"x" * 200_000, disk / "big.bin"),
+                        match="big.bin: it needs 200,000 bytes, 65,536 bytes free")
+    assert list(disk.iterdir()) == []
+    fault_tally.refused("full disk", lambda: atomic_write_directory(disk / "adapter", lambda tmp: None, needed=200_000),
+                        match="directory " + str(disk / "adapter") + ": it needs 200,000 bytes")
     assert list(disk.iterdir()) == []
 
 
@@ -95,10 +119,8 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_its_first_checkpoi
     notes = tmp_path / "notes.txt"
     notes.write_text(CORPUS)
     run = small_disk(1400) / "checkpoints"
-    assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)]) == 2
-    said = capsys.readouterr().err
-    assert "no space left on the device to write the rotating checkpoints (3 at most at once" in said
-    assert "step-00000001.safetensors" in said and "Traceback" not in said
+    cli_refuses([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)], capsys,
+                "the rotating checkpoints (3 at most at once", "step-00000001.safetensors")
     assert list(run.iterdir()) == []  # nothing written
 
 
@@ -130,15 +152,17 @@ def test_a_disk_that_fills_during_a_run_stops_it_with_a_sentence_and_it_resumes_
             filler.write_bytes(b"\0" * (free_bytes(run) - 64 * 1024))
 
     interrupted = learner()
-    with pytest.raises(DiskFullError, match="step-00000002.safetensors: it needs"):
-        interrupted.fit(stream(), max_steps=4, checkpoint_every=1, checkpoint_dir=run, callbacks=[fill_the_disk])
-    assert sorted(p.name for p in run.iterdir()) == ["step-00000001.safetensors"]  # kept, no temp left
-    filler.unlink()  # space freed
-    resumed = learner()
-    resumed.resume(run)
-    resumed.fit(stream(resumed.stream_position), max_steps=4, checkpoint_every=1, checkpoint_dir=run)
-    ours, theirs = _weights(run / "step-00000004.safetensors"), _weights(reference / "step-00000004.safetensors")
-    assert set(ours) == set(theirs) and all(ours[name].equal(theirs[name]) for name in theirs)
+    fault_tally.refused("full disk", lambda: interrupted.fit(stream(), max_steps=4, checkpoint_every=1,
+                                                             checkpoint_dir=run, callbacks=[fill_the_disk]),
+                        match="step-00000002.safetensors: it needs")
+    with fault_tally.checked("full disk"):
+        assert sorted(p.name for p in run.iterdir()) == ["step-00000001.safetensors"]  # kept, no temp left
+        filler.unlink()  # space freed
+        resumed = learner()
+        resumed.resume(run)
+        resumed.fit(stream(resumed.stream_position), max_steps=4, checkpoint_every=1, checkpoint_dir=run)
+        ours, theirs = _weights(run / "step-00000004.safetensors"), _weights(reference / "step-00000004.safetensors")
+        assert set(ours) == set(theirs) and all(ours[name].equal(theirs[name]) for name in theirs)
 
 
 def test_train_on_a_filling_disk_stops_with_a_sentence_and_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
@@ -160,16 +184,15 @@ def test_train_on_a_filling_disk_stops_with_a_sentence_and_resumes_bit_for_bit(t
 
     monkeypatch.setattr(atomic, "_atomic_write_file", second_save_fails)
     capsys.readouterr()
-    assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)]) == 2
-    said = capsys.readouterr().err
-    assert "no space left on the device to write" in said and "step-00000002.safetensors" in said
-    assert "Traceback" not in said
-    assert sorted(p.name for p in run.iterdir()) == ["step-00000001.safetensors"]  # kept, no temp left
-    monkeypatch.undo()
-    assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)]) == 0
-    resumed, uninterrupted = _weights(run / "step-00000004.safetensors"), _weights(reference / "step-00000004.safetensors")
-    assert set(resumed) == set(uninterrupted)
-    assert all(resumed[name].equal(uninterrupted[name]) for name in uninterrupted)
+    cli_refuses([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)], capsys, "step-00000002.safetensors")
+    with fault_tally.checked("full disk"):
+        assert sorted(p.name for p in run.iterdir()) == ["step-00000001.safetensors"]  # kept, no temp left
+        monkeypatch.undo()
+        assert main([*TRAIN, "--files", str(notes), "--checkpoint-dir", str(run)]) == 0
+        resumed = _weights(run / "step-00000004.safetensors")
+        uninterrupted = _weights(reference / "step-00000004.safetensors")
+        assert set(resumed) == set(uninterrupted)
+        assert all(resumed[name].equal(uninterrupted[name]) for name in uninterrupted)
 
 
 def test_personalise_add_on_a_full_disk_keeps_the_stored_examples(small_disk, tmp_path, capsys):
@@ -184,17 +207,27 @@ def test_personalise_add_on_a_full_disk_keeps_the_stored_examples(small_disk, tm
     store = disk / "store"
     assert main(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes[:2])]) == 0
     capsys.readouterr()
-    assert main(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes)]) == 2
-    said = capsys.readouterr().err
-    assert "no space left on the device for the store" in said and "Traceback" not in said
-    small_disk.resize(disk, 5 * 1024)
+    # The examples' text alone is more than the disk has: refused before SQLite writes any of it.
+    cli_refuses(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes)], capsys,
+                "for the store", "it needs 321,350 bytes")
     assert Store(store).count()[0] == 2
+    # Text that fits but whose pages do not: SQLite's own "database or disk is full", named the same way, and
+    # the space of the failed transaction is not kept by the store once the disk has room again.
+    fill_up(disk, leave=12 * 1024)
+    cli_refuses(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes[2:3])], capsys,
+                "for the store", "SQLite said: database or disk is full")
+    (disk / "another-app.bin").unlink()
+    small_disk.resize(disk, 5 * 1024)
+    with Store(store) as examples:
+        assert examples.count()[0] == 2
+    assert main(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes[2:5])]) == 0
+    assert Store(store).count()[0] == 5
     assert issubclass(StoreFullError, DiskFullError)
 
 
-def test_an_export_to_a_full_disk_is_named_and_leaves_nothing(small_disk, tmp_path):
-    """A merged GGUF written to a disk too small for it (its writer does not know its size ahead: the write
-    itself runs out)."""
+def test_exports_to_a_full_disk_are_refused_early_or_named_part_way_and_leave_nothing(small_disk, tmp_path):
+    """A merged GGUF: refused before writing where the disk cannot hold its tensors; where it can hold them but
+    not the whole file (metadata, alignment), its writer runs out part-way."""
     import edgetrain
     from edgetrain.export.merged import save_merged_gguf
     from gguf_testkit import hf_model, write_gguf
@@ -202,8 +235,182 @@ def test_an_export_to_a_full_disk_is_named_and_leaves_nothing(small_disk, tmp_pa
     base = write_gguf(tmp_path / "base.gguf", hf_model())
     model = edgetrain.load_model(base)
     disk = small_disk(64)
-    with pytest.raises(DiskFullError, match=rf"no space left on the device to write {disk / 'merged.gguf'}: it did not"):
-        save_merged_gguf(model, base, disk / "merged.gguf", dtype="f32")
+    fault_tally.refused("full disk", lambda: save_merged_gguf(model, base, disk / "merged.gguf", dtype="f32"),
+                        match=f"{disk / 'merged.gguf'}: it needs 450,304 bytes, 65,536 bytes free")
+    assert list(disk.iterdir()) == []
+    # 440 KiB: the tensors' 450,304 bytes fit, the 457,184 of the file do not.
+    disk = small_disk(440)
+    fault_tally.refused("full disk", lambda: save_merged_gguf(model, base, disk / "merged.gguf", dtype="f32"),
+                        match=f"{disk / 'merged.gguf'}: it did not fit (it needs at least 450,304 bytes)")
     assert list(disk.iterdir()) == []
     # The writer's file was closed too: the temp's space is free again, not held by an open descriptor.
     assert os.statvfs(disk).f_bfree == os.statvfs(disk).f_blocks
+
+
+# -- the personaliser ------------------------------------------------------------------------------------
+
+NOTES = [f"Note {index}: {CORPUS[index * 37:index * 37 + 200]}" for index in range(40)]
+
+
+def _personaliser(store: Path, on_event=None):
+    from edgetrain.personalise import Personaliser, Policy
+
+    # Small and quick as tests/personalise's FAST, on one thread: a resumed window is then bit for bit.
+    return Personaliser(store, "tiny", lr=5e-3, batch_size=4, seq_len=32, window_steps=6, checkpoint_every=2,
+                        holdout_every=4, policy=Policy(check_every_s=0), poll_seconds=0.05, retain_margin=None,
+                        threads=1, on_event=on_event)
+
+
+@pytest.fixture(scope="module")
+def personalised_reference(tmp_path_factory):
+    """Two windows run without a stop: versions 1 and 2 promoted."""
+    store = tmp_path_factory.mktemp("reference") / "store"
+    with _personaliser(store) as personaliser:
+        personaliser.add_many(NOTES)
+        result = personaliser.run(max_steps=12)
+    assert result.promoted == [1, 2], result
+    return store
+
+
+def _version(store: Path, number: int) -> dict:
+    return _weights(store / "versions" / f"v{number:06d}" / "adapter.safetensors")
+
+
+def _same_version(store: Path, reference: Path, number: int) -> bool:
+    ours, theirs = _version(store, number), _version(reference, number)
+    return set(ours) == set(theirs) and all(ours[name].equal(theirs[name]) for name in theirs)
+
+
+def _promoted_version_intact(store: Path) -> None:
+    """The store after a run stopped by a full disk in its second window: every example, version 1 promoted,
+    served (its checksum verified) and loadable, and no second version's directory left."""
+    with _personaliser(store) as personaliser:
+        assert personaliser.store.count()[0] == len(NOTES)
+        assert personaliser.versions.promoted() == 1 and personaliser.served_version().version == 1
+        personaliser.model_for_inference()
+    assert sorted(p.name for p in (store / "versions").iterdir()) == ["v000001"]
+
+
+@pytest.mark.parametrize("when, says", [
+    (("step", 3), "window/checkpoints/step-00000004.safetensors: it needs"),  # the window's checkpoint
+    (("evaluated", None), "window/candidate/adapter.safetensors: it needs"),  # the new version's adapter
+])
+def test_personalise_run_on_a_filling_disk_keeps_the_promoted_version_and_resumes_bit_for_bit(
+        small_disk, personalised_reference, when, says):
+    """Another app fills the disk (a real tmpfs) in the second window: at a step (its next checkpoint is refused)
+    or at the gate (the promoted candidate's adapter is refused). The run stops with the file named, version 1
+    stays promoted, and once space is freed the next run promotes the version 2 an uninterrupted run did."""
+    disk = small_disk(8 * 1024)
+    store = disk / "store"
+    kind, step = when
+    filled: list[Path] = []
+
+    def fill_in_window_two(event):
+        if (event["event"] == kind and event.get("window") == 2 and event.get("step", step) == step
+                and not filled):
+            filled.append(fill_up(disk))
+
+    personaliser = _personaliser(store, on_event=fill_in_window_two)
+    personaliser.add_many(NOTES)
+    fault_tally.refused("full disk", lambda: personaliser.run(max_steps=12), match=says)
+    personaliser.close()
+    with fault_tally.checked("full disk"):
+        _promoted_version_intact(store)
+        filled[0].unlink()  # space freed
+        with _personaliser(store) as personaliser:
+            assert 2 in personaliser.run(max_steps=6).promoted
+        assert _same_version(store, personalised_reference, 2)
+
+
+class _FullAt:
+    """A store connection whose statements starting with `prefix` fail as SQLite fails on a full disk."""
+
+    def __init__(self, connection, prefix: str) -> None:
+        self.connection, self.prefix = connection, prefix
+
+    def execute(self, statement: str, *arguments):
+        import sqlite3
+
+        if statement.lstrip().startswith(self.prefix):
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.connection.execute(statement, *arguments)
+
+    def __getattr__(self, name: str):
+        return getattr(self.connection, name)
+
+
+def test_a_promotion_the_store_cannot_record_keeps_the_promoted_version(tmp_path, monkeypatch, personalised_reference):
+    """SQLite says the disk is full when the second version is recorded (injected at its INSERT): the transaction
+    is rolled back, the new version's directory removed at once, version 1 stays promoted, and the next run
+    promotes the same version 2 as an uninterrupted run."""
+    from contextlib import contextmanager
+
+    from edgetrain.personalise.store import Store
+
+    store = tmp_path / "store"
+    real = Store.transaction
+
+    @contextmanager
+    def full_at_the_second_version(self):
+        with real(self) as connection:
+            recorded = connection.execute("SELECT COUNT(*) FROM versions").fetchone()[0]
+            yield _FullAt(connection, "INSERT INTO versions") if recorded == 1 else connection
+
+    monkeypatch.setattr(Store, "transaction", full_at_the_second_version)
+    personaliser = _personaliser(store)
+    personaliser.add_many(NOTES)
+    fault_tally.refused("full disk", lambda: personaliser.run(max_steps=12),
+                        match="examples.sqlite: no space left on the device for the store")
+    personaliser.close()
+    monkeypatch.undo()
+    with fault_tally.checked("full disk"):
+        _promoted_version_intact(store)
+        with _personaliser(store) as personaliser:
+            assert personaliser.run(max_steps=6).promoted[0] == 2
+        assert _same_version(store, personalised_reference, 2)
+
+
+def test_the_event_log_on_a_full_disk_is_named_and_keeps_whole_lines(tmp_path, small_disk, monkeypatch):
+    from edgetrain.personalise.events import EventLog, read_events
+
+    log = EventLog(tmp_path / "events.jsonl")
+    log.emit("first")
+    real_write = os.write
+
+    def half_a_line(descriptor, data):  # a short write, as a disk that fills mid-line gives
+        return real_write(descriptor, data[:len(data) // 2])
+
+    for write in (half_a_line, _enospc):
+        monkeypatch.setattr(os, "write", write)
+        fault_tally.refused("full disk", lambda: log.emit("second", text="x" * 1000),
+                            match=f"the event log {tmp_path / 'events.jsonl'}")
+        monkeypatch.undo()
+        assert [event["event"] for event in read_events(log.path)] == ["first"]
+        assert log.path.read_bytes().endswith(b"}\n")  # no torn line for the next one to run into
+    disk = small_disk(64)  # and for real: a line that needs a page the disk no longer has
+    log = EventLog(disk / "events.jsonl")
+    log.emit("first")
+    fill_up(disk, leave=0)
+    fault_tally.refused("full disk", lambda: log.emit("second", text="x" * 8192), match="the event log")
+    assert [event["event"] for event in read_events(log.path)] == ["first"]
+
+
+def test_personalise_run_through_the_cli_on_a_full_disk_says_so_and_goes_on_once_there_is_room(small_disk, tmp_path,
+                                                                                               capsys):
+    disk = small_disk(1600)
+    store = disk / "store"
+    notes = tmp_path / "notes.jsonl"
+    import json
+
+    notes.write_text("".join(json.dumps({"text": note}) + "\n" for note in NOTES))
+    assert main(["personalise", "add", "--store", str(store), "--quiet", str(notes)]) == 0
+    run = ["personalise", "run", "--store", str(store), "--model", "tiny", "--max-steps", "6", "--seq", "32",
+           "--window-steps", "6", "--checkpoint-every", "2", "--lr", "5e-3", "--holdout-every", "4", "--no-guard",
+           "--threads", "1", "--quiet"]
+    capsys.readouterr()
+    cli_refuses(run, capsys, str(store / "window"), "free in")
+    small_disk.resize(disk, 8 * 1024)
+    with fault_tally.checked("full disk"):
+        assert main(run) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["promoted"] == [1] and summary["served"] == 1
