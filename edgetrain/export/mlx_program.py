@@ -58,6 +58,18 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ARRAY_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
 
 
+# The manifest's fields that say which array goes where, also written into the weights file's metadata (under
+# LAYOUT_KEY): the weights' SHA-256 is in the manifest, so a manifest rewritten to reorder same-shaped arrays
+# (with its own SHA-256 recomputed) no longer matches the weights it must describe.
+LAYOUT_FIELDS = ("batch", "seq", "vocab", "hidden", "blocks", "block_arrays", "lora_arrays", "embed_arrays",
+                 "head_lm_weight", "trainable")
+LAYOUT_KEY = "edgetrain_mlx_layout"
+
+
+def _layout(manifest: dict[str, Any]) -> str:
+    return json.dumps({field: manifest[field] for field in LAYOUT_FIELDS}, sort_keys=True, separators=(",", ":"))
+
+
 def _file_record(path: Path) -> dict[str, Any]:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -203,7 +215,7 @@ def export_mlx_mesp(model: Any, batch_size: int, seq_len: int, out: str | Path,
                     mx.export_function(str(directory / f"{name}.mlxfn"), function, *arguments, shapeless=shapeless)
                 except (ValueError, RuntimeError) as exc:
                     raise ExportError(f"MLX could not export the {name} function: {exc}") from exc
-        mx.save_safetensors(str(directory / WEIGHTS), tensors)
+        mx.save_safetensors(str(directory / WEIGHTS), tensors, metadata={LAYOUT_KEY: _layout(manifest)})
         manifest["files"] = {name: _file_record(directory / name) for name in FILES}
         manifest["manifest_sha256"] = _manifest_digest(manifest)
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -337,7 +349,7 @@ def _check_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     if stray:
         raise bad("lora_arrays", f"names {stray[0]!r}, which is not among block_arrays")
     heads = {"head.lm_weight"} | {f"embed.{name}" for name in names["embed_arrays"]}
-    if manifest["head_lm_weight"] not in heads:
+    if not isinstance(manifest["head_lm_weight"], str) or manifest["head_lm_weight"] not in heads:
         raise bad("head_lm_weight", f"must be head.lm_weight or one of the embed arrays, got "
                                     f"{manifest['head_lm_weight']!r}")
     expected = sorted(f"blocks.{i}.{name}" for i in range(manifest["blocks"]) for name in names["lora_arrays"])
@@ -501,11 +513,14 @@ class MLXProgramTrainer:
         records = manifest["files"]
         _verified_bytes(self.directory / WEIGHTS, records[WEIGHTS], keep=False)
         try:
-            self.tensors = mx.load(str(self.directory / WEIGHTS), format="safetensors")
+            self.tensors, metadata = mx.load(str(self.directory / WEIGHTS), format="safetensors",
+                                             return_metadata=True)
         except Exception as exc:  # checked above: only a file changed since then gets here
             raise ExportError(f"{self.directory / WEIGHTS}: MLX cannot load it ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(self.tensors, dict):
-            raise ExportError(f"{self.directory / WEIGHTS}: not a safetensors file of named arrays")
+        if not isinstance(self.tensors, dict) or metadata.get(LAYOUT_KEY) != _layout(manifest):
+            raise ExportError(f"{self.directory / WEIGHTS}: its array layout ({LAYOUT_KEY}) is not the one "
+                              f"manifest.json describes ({', '.join(LAYOUT_FIELDS)}): the manifest was rewritten "
+                              "or the files come from different exports; re-export the program")
         _check_tensors(self.directory, manifest, self.tensors)
         self.functions = {}
         for name in FUNCTIONS:
