@@ -23,7 +23,7 @@ import sqlite3
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from edgetrain.files.space import free_bytes, is_disk_full
 from edgetrain.personalise.errors import DamagedStoreError, StoreBusyError, StoreError, StoreFullError, StoreVersionError
@@ -83,7 +83,6 @@ CREATE TABLE IF NOT EXISTS version_retain (
 # journal reports when the disk fills: told apart from a failing disk by the free space left).
 _SQLITE_FULL, _SQLITE_IOERR = 13, 10
 _NEARLY_FULL_BYTES = 1 << 20
-_WAL_SIZE_LIMIT = 1 << 20
 
 
 def _disk_full(exc: sqlite3.Error, path: Path) -> bool:
@@ -106,13 +105,9 @@ def store_full_error(path: Path, needed: int | None = None, said: str | None = N
                           "(free some space and run it again" + (f"; SQLite said: {said})" if said else ")"))
 
 
-def _translate(exc: sqlite3.Error, path: Path, give_back: Callable[[], None] | None = None) -> StoreError:
-    """The store's named error for SQLite's `exc`. On a full disk `give_back` (when given) runs first, so that
-    the free space the error reports is what is left once the failed transaction's space is returned."""
+def _translate(exc: sqlite3.Error, path: Path) -> StoreError:
     message = str(exc)
     if _disk_full(exc, path):
-        if give_back is not None:
-            give_back()
         return store_full_error(path, said=message)
     if isinstance(exc, sqlite3.OperationalError):
         if "locked" in message or "busy" in message:
@@ -159,9 +154,6 @@ class Store:
             connection.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             connection.execute("PRAGMA synchronous = FULL")  # a commit is on disk before add returns
             connection.execute("PRAGMA secure_delete = ON")  # forgotten examples are overwritten
-            # A checkpoint truncates the WAL to this: a transaction that failed on a full disk leaves its frames
-            # in the WAL, which would otherwise keep that space for good once the disk has room again.
-            connection.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
         except sqlite3.Error as exc:
             raise _translate(exc, self.path) from None
         self._local.connection, self._local.pid = connection, os.getpid()
@@ -203,17 +195,8 @@ class Store:
             except sqlite3.Error:
                 pass
             if isinstance(exc, sqlite3.Error):
-                raise _translate(exc, self.path, lambda: self._truncate_wal(connection)) from None
+                raise _translate(exc, self.path) from None
             raise
-
-    @staticmethod
-    def _truncate_wal(connection: sqlite3.Connection) -> None:
-        """Give back the space a rolled-back transaction's frames took in the WAL: SQLite keeps the file at its
-        size, so after a full disk the store itself would hold the space the user is asked to free."""
-        try:
-            connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error:
-            pass  # another connection is reading: its next checkpoint truncates the WAL
 
     @contextmanager
     def reading(self) -> Iterator[sqlite3.Connection]:

@@ -211,8 +211,7 @@ def test_personalise_add_on_a_full_disk_keeps_the_stored_examples(small_disk, tm
     cli_refuses(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes)], capsys,
                 "for the store", "it needs 321,350 bytes")
     assert Store(store).count()[0] == 2
-    # Text that fits but whose pages do not: SQLite's own "database or disk is full", named the same way, and
-    # the space of the failed transaction is not kept by the store once the disk has room again.
+    # Text that fits but whose pages do not: SQLite's own "database or disk is full", named the same way.
     fill_up(disk, leave=12 * 1024)
     cli_refuses(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes[2:3])], capsys,
                 "for the store", "SQLite said: database or disk is full")
@@ -223,6 +222,23 @@ def test_personalise_add_on_a_full_disk_keeps_the_stored_examples(small_disk, tm
     assert main(["personalise", "add", "--store", str(store), "--quiet", *map(str, notes[2:5])]) == 0
     assert Store(store).count()[0] == 5
     assert issubclass(StoreFullError, DiskFullError)
+
+
+def test_a_directory_that_a_full_disk_cannot_create_is_named(tmp_path, monkeypatch):
+    """ENOSPC injected at mkdir (a new directory takes a block on ext4 and f2fs): the store, a version's or a
+    window's directory (edgetrain.files.atomic.make_directory), an output's parent."""
+    from edgetrain.files.atomic import make_directory
+    from edgetrain.personalise.errors import StoreFullError
+    from edgetrain.personalise.store import Store
+
+    monkeypatch.setattr(Path, "mkdir", _enospc)
+    error = fault_tally.refused("full disk", lambda: Store(tmp_path / "store"),
+                                match=f"cannot create the store {tmp_path / 'store'}: no space left on the device")
+    assert isinstance(error, StoreFullError)
+    fault_tally.refused("full disk", lambda: make_directory(tmp_path / "versions" / "v000002", "the version directory"),
+                        match=f"the version directory {tmp_path / 'versions' / 'v000002'}: it did not fit")
+    fault_tally.refused("full disk", lambda: atomic_write_bytes(b"x", tmp_path / "new" / "file.bin"),
+                        match=f"directory {tmp_path / 'new'}: it did not fit")
 
 
 def test_exports_to_a_full_disk_are_refused_early_or_named_part_way_and_leave_nothing(small_disk, tmp_path):
