@@ -64,7 +64,8 @@ def exported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def other_shape(tmp_path_factory):
-    """The same model exported for [2, 8] batches: another program, weights file, batch file and checkpoint."""
+    """The same model exported for [2, 8] batches: another program, weights file, batch file and checkpoint
+    (a second export: its cases are in the slow lane; the default one swaps the export's own files)."""
     return _export(tmp_path_factory.mktemp("attack-other"), 8)
 
 
@@ -212,12 +213,17 @@ def test_a_damaged_input_is_refused_naming_it(runner, workspace, exported, role,
 
 # -- another model's or another shape's file -------------------------------------------------------------
 
-@pytest.mark.parametrize("swap", ["program of another shape", "weights of another shape", "batches of another shape",
-                                  "program and weights of another shape", "weights file as the program",
+OTHER_SHAPE = pytest.mark.slow  # a second export, about a minute
+
+
+@pytest.mark.parametrize("swap", [pytest.param(case, marks=OTHER_SHAPE) for case in (
+                                  "program of another shape", "weights of another shape", "batches of another shape",
+                                  "program and weights of another shape")] + ["weights file as the program",
                                   "program as the weights file", "batch file as the weights file",
                                   "weights file as the batch file"])
-def test_a_file_swapped_for_another_is_refused(runner, workspace, other_shape, swap):
-    other_program, other_weights, other_batches, _ = other_shape
+def test_a_file_swapped_for_another_is_refused(runner, workspace, request, swap):
+    other_program, other_weights, other_batches, _ = (request.getfixturevalue("other_shape") if "another shape" in swap
+                                                      else (None,) * 4)
     sources = {"program of another shape": [(other_program, "tiny.pte")],
                "weights of another shape": [(other_weights, "tiny.weights")],
                "batches of another shape": [(other_batches, "batches.bin")],
@@ -470,14 +476,15 @@ def test_a_damaged_checkpoint_is_refused_and_kept(runner, workspace, reference, 
     _refused(_run(runner, *_command(workspace)), 3, "new.ckpt", before=before, directory=workspace)
 
 
-@pytest.mark.parametrize("how", ["a checkpoint of another shape's program", "the batches changed under it",
+@pytest.mark.parametrize("how", [pytest.param("a checkpoint of another shape's program", marks=OTHER_SHAPE),
+                                 "the batches changed under it",
                                  "resumed with another --lr", "resumed with another --beta2",
                                  "a checkpoint past --steps", "the batch file cut below its step"])
-def test_a_checkpoint_of_another_run_is_refused_and_kept(runner, workspace, reference, other_shape, exported, how):
+def test_a_checkpoint_of_another_run_is_refused_and_kept(runner, workspace, reference, request, exported, how):
     checkpoint, extra = workspace / "new.ckpt", []
     checkpoint.write_bytes(reference["step3"])
     if how == "a checkpoint of another shape's program":
-        other_program, _, other_batches, _ = other_shape
+        other_program, _, other_batches, _ = request.getfixturevalue("other_shape")
         checkpoint.unlink()
         made = _run(runner, other_program, other_batches, "--steps", 2, "--lr", LR, "--checkpoint", checkpoint)
         assert made.returncode == 0, made.stderr
