@@ -12,6 +12,7 @@ The runner writes the trained parameters as a safetensors file (read with `read_
 """
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Iterable
@@ -51,34 +52,63 @@ def write_batch_file(path: str | Path, batches: Iterable[Batch]) -> Path:
     return atomic_write_bytes(bytes(header + body), path)
 
 
+class BatchFileError(EdgetrainError):
+    """A batch file that is missing, truncated, damaged or not one (names the file and what is wrong)."""
+
+
 def read_batch_file(path: str | Path) -> list[Batch]:
-    data = Path(path).read_bytes()
+    """Every batch of a batch file, refused (BatchFileError) unless the file holds exactly what its header says:
+    the native runners read the same files with the same checks."""
+    from edgetrain.files.user import require_regular_file
+
+    path = require_regular_file(path, BatchFileError, "the batch file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BatchFileError(f"{path}: cannot read the batch file ({exc.strerror or exc})") from None
     if data[:8] != MAGIC:
-        raise EdgetrainError(f"{path}: not an edgetrain batch file (magic {data[:8]!r})")
-    offset = 8
-    (slots,) = struct.unpack_from("<I", data, offset)
-    offset += 4
-    specs = []
-    for _ in range(slots):
-        code, ndim = struct.unpack_from("<II", data, offset)
+        raise BatchFileError(f"{path}: not an edgetrain batch file (magic {data[:8]!r})")
+    try:
+        offset = 8
+        (slots,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        if slots != 2:
+            raise BatchFileError(f"{path}: the header says {slots} tensors per batch; a batch file holds 2 "
+                                 "(inputs, targets)")
+        specs = []
+        for _ in range(slots):
+            code, ndim = struct.unpack_from("<II", data, offset)
+            offset += 8
+            if code not in CODE_DTYPES:
+                raise BatchFileError(f"{path}: the header names an unknown dtype code {code}")
+            if ndim > 8:
+                raise BatchFileError(f"{path}: the header gives a tensor {ndim} dimensions")
+            dims = struct.unpack_from(f"<{ndim}q", data, offset)
+            offset += 8 * ndim
+            if any(d < 0 for d in dims):
+                raise BatchFileError(f"{path}: the header gives a negative dimension {dims}")
+            specs.append((CODE_DTYPES[code], dims, math.prod(dims) * torch.empty((), dtype=CODE_DTYPES[code])
+                          .element_size()))
+        (count,) = struct.unpack_from("<Q", data, offset)
         offset += 8
-        dims = struct.unpack_from(f"<{ndim}q", data, offset)
-        offset += 8 * ndim
-        if code not in CODE_DTYPES:
-            raise EdgetrainError(f"{path}: unknown dtype code {code}")
-        specs.append((CODE_DTYPES[code], dims))
-    (count,) = struct.unpack_from("<Q", data, offset)
-    offset += 8
+    except struct.error:
+        raise BatchFileError(f"{path}: the batch file's header is truncated ({len(data)} bytes)") from None
+    batch_bytes = sum(nbytes for _, _, nbytes in specs)
+    if batch_bytes == 0:
+        raise BatchFileError(f"{path}: the header describes empty batches")
+    if count == 0:
+        raise BatchFileError(f"{path}: the batch file holds no batches")
+    available = len(data) - offset
+    if available < count * batch_bytes:
+        raise BatchFileError(f"{path}: truncated: the header announces {count} batches of {batch_bytes} bytes, "
+                             f"the file holds {available}")
+    if available != count * batch_bytes:
+        raise BatchFileError(f"{path}: {available - count * batch_bytes} bytes past the {count} batches its header "
+                             "announces: damaged")
     batches = []
     for index in range(count):
         tensors = []
-        for dtype, dims in specs:
-            numel = 1
-            for d in dims:
-                numel *= d
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            if offset + nbytes > len(data):
-                raise EdgetrainError(f"{path}: truncated at batch {index}")
+        for dtype, dims, nbytes in specs:
             tensors.append(torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=dtype).reshape(dims))
             offset += nbytes
         batches.append(Batch(tensors[0], tensors[1], index))
