@@ -50,6 +50,8 @@ FILES = tuple(f"{name}.mlxfn" for name in FUNCTIONS) + (WEIGHTS,)
 # Bounds of the manifest's numbers: far above any real program, low enough that nothing sized by them overflows.
 _MAX_DIMENSION = 2**31 - 1
 _MAX_BLOCKS = 100_000
+# Arrays of all blocks together (a real model has a few thousand): the checks build lists this long.
+_MAX_BLOCK_ARRAYS = 10_000_000
 _MAX_FILE_BYTES = 2**50
 # A manifest is a few KiB (a few hundred KiB for a model of hundreds of blocks); anything bigger is not one.
 MAX_MANIFEST_BYTES = 16 << 20
@@ -352,8 +354,15 @@ def _check_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     if not isinstance(manifest["head_lm_weight"], str) or manifest["head_lm_weight"] not in heads:
         raise bad("head_lm_weight", f"must be head.lm_weight or one of the embed arrays, got "
                                     f"{manifest['head_lm_weight']!r}")
+    for field in ("block_arrays", "lora_arrays"):
+        if manifest["blocks"] * len(names[field]) > _MAX_BLOCK_ARRAYS:
+            raise bad(field, f"names {len(names[field])} arrays for each of {manifest['blocks']} blocks: more than "
+                             f"{_MAX_BLOCK_ARRAYS} in all, which no model has")
+    trainable = manifest["trainable"]
+    if not isinstance(trainable, list) or len(trainable) != manifest["blocks"] * len(names["lora_arrays"]):
+        raise bad("trainable", "must list the LoRA arrays of every block (blocks.<i>.<lora_arrays>)")
     expected = sorted(f"blocks.{i}.{name}" for i in range(manifest["blocks"]) for name in names["lora_arrays"])
-    if manifest["trainable"] != expected:
+    if trainable != expected:
         raise bad("trainable", "must list the LoRA arrays of every block (blocks.<i>.<lora_arrays>), sorted")
     for field in ("functions", "chunks"):
         if not isinstance(manifest[field], dict):

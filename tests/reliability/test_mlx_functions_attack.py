@@ -215,10 +215,14 @@ def damaged_copies(exports, work: Path) -> dict[str, tuple[Path, str | None]]:
                     data[position] ^= 1 << bit
                     path.write_bytes(bytes(data))
                 case(name, f"bit {bit} of byte {position}", flip)
+        # A file of another size is refused by its size alone, before a byte of it is read.
+        sized = f"{name}: " if name == MANIFEST else "bytes, but manifest.json records"
         for keep in (0, 1, 8, size // 2, size - 1):
-            case(name, f"truncated to {keep}", lambda path, keep=keep: path.write_bytes(path.read_bytes()[:keep]))
+            case(name, f"truncated to {keep}", lambda path, keep=keep: path.write_bytes(path.read_bytes()[:keep]),
+                 sized)
         for extra in (b"\0", b"x" * 4096, (program / name).read_bytes()):
-            case(name, f"extended by {len(extra)}", lambda path, extra=extra: path.write_bytes(path.read_bytes() + extra))
+            case(name, f"extended by {len(extra)}", lambda path, extra=extra: path.write_bytes(path.read_bytes() + extra),
+                 sized)
         case(name, "missing", Path.unlink, "missing")
         case(name, "a directory", lambda path: (path.unlink(), path.mkdir()), "a directory")
         case(name, "a FIFO", lambda path: (path.unlink(), os.mkfifo(path)), "a FIFO")
@@ -298,6 +302,54 @@ def test_forged_weights_of_the_same_layout_train_as_their_own_program(exports, t
             sound=lambda result: same_as_reference((own[0], {k: np.array(v) for k, v in own[1].items()}), *result))
 
 
+def crafted_weights(program: Path, work: Path, label: str, change) -> Path:
+    """A copy whose weights file is rewritten by change(arrays), keeping the program's layout metadata, and
+    whose manifest is forged to record it: only the checks of the arrays themselves can refuse it."""
+    directory = fresh_copy(program, work / label.replace(" ", "-"))
+    arrays, metadata = mx.load(str(directory / WEIGHTS), return_metadata=True)
+    change(arrays)
+    mx.save_safetensors(str(directory / WEIGHTS), arrays, metadata=metadata)
+    forge_file_record(directory, WEIGHTS)
+    return directory
+
+
+CRAFTED_WEIGHTS = {
+    "lacks an array": (lambda a: a.pop("blocks.1.mlp.up_proj.lora_b"), "lacks blocks.1.mlp.up_proj.lora_b"),
+    "an extra array": (lambda a: a.__setitem__("blocks.2.mlp.up_proj.lora_b", a["blocks.1.mlp.up_proj.lora_b"]),
+                       "holds blocks.2.mlp.up_proj.lora_b"),
+    "a block of other shapes": (lambda a: a.__setitem__("blocks.1.self_attn.q_proj.lora_a", mx.zeros((128, 8))),
+                                "blocks.1.self_attn.q_proj.lora_a is (128, 8)"),
+    "every block of other shapes": (lambda a: [a.__setitem__(f"blocks.{i}.self_attn.q_proj.lora_a", mx.zeros((128, 8)))
+                                               for i in range(2)], "block_forward.mlxfn"),
+    "RoPE of 32 positions": (lambda a: [a.__setitem__(k, mx.zeros((32, 32))) for k in ("rope.cos", "rope.sin")],
+                             "RoPE tables of 16 positions"),
+    "a norm of another width": (lambda a: a.__setitem__("head.norm", mx.ones((64,))), "head.norm is (64,)"),
+    "an lm weight of another vocabulary": (lambda a: a.__setitem__("embed.embed_tokens.weight", mx.zeros((100, 128))),
+                                           "embed.embed_tokens.weight is (100, 128)"),
+    "integer adapters": (lambda a: [a.__setitem__(f"blocks.{i}.mlp.up_proj.lora_a", mx.zeros((128, 4), dtype=mx.int32))
+                                    for i in range(2)], "not floating point"),
+    "a NaN adapter": (lambda a: a.__setitem__("blocks.0.mlp.up_proj.lora_a", mx.full((128, 4), float("nan"))),
+                      "NaN or infinity"),
+    "an inf base weight": (lambda a: a.__setitem__("blocks.0.mlp.up_proj.linear.weight",
+                                                   mx.full((352, 128), float("inf"))), "nothing was changed"),
+}
+
+
+def test_crafted_weights_with_the_right_layout_are_refused(exports, tmp_path):
+    """Weights rebuilt by hand with the program's layout metadata and a forged checksum: the arrays must
+    still be the ones the manifest implies, and the base's numbers finite when used."""
+    for label, (change, match) in CRAFTED_WEIGHTS.items():
+        directory = crafted_weights(exports["program"], tmp_path, label, change)
+        refused(FAULT, lambda: load_and_step(directory), match=match)
+
+
+@pytest.mark.parametrize("size", [True, 0, -1, 2**40, "2", 2.0, None])
+def test_hostile_export_sizes_are_refused(tmp_path, size):
+    refused(FAULT, lambda: export_mlx_mesp(lora_tiny(), size, SEQ, tmp_path / "out"), match="positive integers")
+    refused(FAULT, lambda: export_mlx_mesp(lora_tiny(), BATCH, size, tmp_path / "out"), match="positive integers")
+    assert not (tmp_path / "out").exists()
+
+
 # --- The manifest: hostile JSON -----------------------------------------------------------------------------
 
 def _drop(key):
@@ -338,6 +390,8 @@ def manifest_changes():
         "seq 32": _set("seq", 32), "seq 8": _set("seq", 8), "vocab 300": _set("vocab", 300),
         "vocab 100": _set("vocab", 100), "hidden 64": _set("hidden", 64), "blocks 1": _set("blocks", 1),
         "blocks 3": _set("blocks", 3), "blocks 10**12": _set("blocks", 10**12),
+        "blocks 100000 of 200 arrays": lambda m: (m.__setitem__("blocks", 100_000),
+                                                  m["block_arrays"].extend(f"a{i}" for i in range(200))),
         "block_arrays reordered (same shapes)": _swap_pair("block_arrays", 3, 7),
         "block_arrays reordered (other shapes)": _swap_pair("block_arrays", 0, 1),
         "block_arrays with a duplicate": lambda m: m["block_arrays"].append(m["block_arrays"][0]),
@@ -416,6 +470,19 @@ def directory_with_version(program: Path, work: Path, version: int) -> Path:
     rewrite_manifest(directory, lambda m: (m.pop("files"), m.pop("manifest_sha256"), m.__setitem__("version", 1)),
                      forge=False)
     return directory
+
+
+def test_a_manifest_of_too_many_arrays_is_refused_before_they_are_listed(exports, tmp_path):
+    """100000 blocks of 200 arrays, every field consistent with the others, the SHA-256 forged: refused by
+    count, before a list of 2e7 names is built."""
+    def change(m):
+        m["blocks"], m["lora_arrays"] = 100_000, m["lora_arrays"][:1]
+        m["block_arrays"] += [f"a{i}" for i in range(200)]
+        m["trainable"] = sorted(f"blocks.{i}.{m['lora_arrays'][0]}" for i in range(100_000))
+
+    directory = fresh_copy(exports["program"], tmp_path / "many")
+    rewrite_manifest(directory, change, forge=True)
+    refused(FAULT, lambda: MLXProgramTrainer(directory), match="which no model has")
 
 
 RAW_MANIFESTS = {
