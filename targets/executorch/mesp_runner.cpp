@@ -16,13 +16,16 @@
 // A step is all or nothing: a non-finite loss, gradient or update changes nothing (exit status 5). With
 // --checkpoint the adapters, AdamW moments and step count are written after every step (crash-safe: a kill
 // at any moment leaves the last whole checkpoint) and a run that finds one resumes from it, with the next
-// batch, to the same adapters bit for bit. --save writes the trained adapter as edgetrain's adapter file
+// batch, to the same adapters bit for bit; the checkpoint records the program, the batches it trained on and
+// the AdamW settings, and one of another run is refused (never trained over). --save writes the trained adapter as edgetrain's adapter file
 // (safetensors, LoRA config and checksum in its metadata), which `edgetrain export-adapter` converts.
 //
 // Prints "step N loss L" per step (L with 9 significant digits: a float32 exactly), and the time of the
 // first step and of the others (after a first step that pages the weights in).
 // Exit status: 0 done, 1 internal error, 2 usage, 3 a bad, damaged or mismatched input file or batch,
-// 4 an output that cannot be written (checked before training), 5 a non-finite step.
+// 4 an output that cannot be written (checked before training), 5 a non-finite step. Every refusal is one
+// sentence on stderr naming the file or flag, and comes before anything is written; only regular files are
+// read (a FIFO or directory in a file's place is refused without blocking), and no output may be an input.
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/runtime.h>
