@@ -25,6 +25,7 @@ from edgetrain.personalise.retain import RetainSplit, digest_of, forgetting_advi
 from edgetrain.personalise.run_result import RunResult
 from edgetrain.personalise.store import Store
 from edgetrain.registry import EdgetrainError
+from edgetrain.training.fit_loop import check_checkpoint_room
 
 WINDOW = "window"
 
@@ -41,6 +42,7 @@ class Window:
     eval_batches: list
     retain_batches: list | None = None  # the retain set's scored part (None: no forgetting guard)
     checkpointed_step: int = 0
+    room_checked: bool = False  # whether its rotating checkpoints were checked to fit on the disk
 
 
 def window_directory(directory: Path) -> Path:
@@ -351,6 +353,11 @@ class Windows:
             self.close()
             return
         result.steps += 1
+        if not window.room_checked:
+            # As `train --checkpoint-dir` does: once a step has made the optimizer's state, a checkpoint's size is
+            # what it stays, and a disk that cannot hold the rotation is refused now, not at the next checkpoint.
+            check_checkpoint_room(learner, self.directory / "checkpoints", self.owner.checkpoint_every)
+            window.room_checked = True
         if stats.peak_bytes is not None:  # measured beats estimated: the largest step measured so far
             self.need_bytes = max(stats.peak_bytes, self.need_bytes if self.measured else 0)
             self.measured = True

@@ -241,6 +241,21 @@ def test_a_directory_that_a_full_disk_cannot_create_is_named(tmp_path, monkeypat
                         match=f"directory {tmp_path / 'new'}: it did not fit")
 
 
+def test_a_full_disk_that_a_library_reports_itself_still_ends_in_a_sentence(tmp_path, monkeypatch, capsys):
+    """The CLI's net under every command: an ENOSPC OSError that no edgetrain writer named (a library writing a
+    file of its own) is said as a full disk, exit 2, not a traceback."""
+    import edgetrain.cli.export_adapter as command
+
+    target = tmp_path / "out.gguf"
+
+    def a_library_writes(_args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+    monkeypatch.setattr(command, "main", a_library_writes)
+    cli_refuses(["export-adapter", "--adapter", "a", "--format", "gguf", "--out", str(target)], capsys,
+                f"{target}: it did not fit", "free in")
+
+
 def test_exports_to_a_full_disk_are_refused_early_or_named_part_way_and_leave_nothing(small_disk, tmp_path):
     """A merged GGUF: refused before writing where the disk cannot hold its tensors; where it can hold them but
     not the whole file (metadata, alignment), its writer runs out part-way."""
@@ -413,6 +428,8 @@ def test_the_event_log_on_a_full_disk_is_named_and_keeps_whole_lines(tmp_path, s
 
 def test_personalise_run_through_the_cli_on_a_full_disk_says_so_and_goes_on_once_there_is_room(small_disk, tmp_path,
                                                                                                capsys):
+    """1.6 MB hold the store, its base adapter and the window's examples, not the window's rotating checkpoints
+    (0.9 MB each)."""
     disk = small_disk(1600)
     store = disk / "store"
     notes = tmp_path / "notes.jsonl"
@@ -424,7 +441,11 @@ def test_personalise_run_through_the_cli_on_a_full_disk_says_so_and_goes_on_once
            "--window-steps", "6", "--checkpoint-every", "2", "--lr", "5e-3", "--holdout-every", "4", "--no-guard",
            "--threads", "1", "--quiet"]
     capsys.readouterr()
-    cli_refuses(run, capsys, str(store / "window"), "free in")
+    # Refused after the window's first step, when a checkpoint's size is known: not at the first checkpoint due.
+    # The stop's own checkpoint (one fits) keeps that step for the next run.
+    cli_refuses(run, capsys, "the rotating checkpoints (3 at most at once",
+                str(store / "window" / "checkpoints" / "step-00000002.safetensors"), "free in")
+    assert [p.name for p in (store / "window" / "checkpoints").iterdir()] == ["step-00000001.safetensors"]
     small_disk.resize(disk, 8 * 1024)
     with fault_tally.checked("full disk"):
         assert main(run) == 0
