@@ -136,12 +136,16 @@ def test_a_stored_block_output_is_not_a_step_buffer(every_temporary_pooled):
     assert output.data_ptr() not in held
 
 
-def test_the_pooled_step_peak_stays_near_the_plain_one(monkeypatch):
+@pytest.mark.parametrize("shape", [dict(head_dim=32), dict(head_dim=64, qk_norm=True)],
+                         ids=["llama", "qwen3 (queries twice the hidden size, head norms)"])
+def test_the_pooled_step_peak_stays_near_the_plain_one(monkeypatch, shape):
     """Tensor accounting counts the pool's buffers, free ones included. A step's phases (forward, loss,
     backward) each start with no free buffers, so what one phase left free does not sit through the next
-    one's peak (here the loss: a vocabulary of 3,000 makes its tile the largest tensor)."""
+    one's peak (here the loss: a vocabulary of 3,000 makes its tile the largest tensor); within a block's
+    backward the MLP's buffers go before the attention's backward, and a miss drops the free buffers too
+    small for it. Qwen3's shapes (queries wider than the hidden size) held 1.26x the plain peak before."""
     model = with_lora(random_decoder(7, num_hidden_layers=8, hidden_size=192, intermediate_size=512,
-                                     vocab_size=3000, num_attention_heads=6, num_key_value_heads=2, head_dim=32))
+                                     vocab_size=3000, num_attention_heads=6, num_key_value_heads=2, **shape))
     batch = random_batch(3000, batch=2, seq_len=96)
     pools = []
     made = step_buffers.StepBuffers.__init__
@@ -159,5 +163,5 @@ def test_the_pooled_step_peak_stays_near_the_plain_one(monkeypatch):
             accountant.reset_peak()
             method.gradients(batch)
             peaks[reuse] = accountant.report().peak_above_baseline_bytes
-    assert pools[-1].reused > 10 * pools[-1].allocated > 0  # the default pooling threshold pooled this model
-    assert peaks[True] <= 1.1 * peaks[False], peaks
+    assert pools[-1].reused > 2 * pools[-1].allocated > 0  # the default pooling threshold pooled this model
+    assert peaks[True] <= 1.06 * peaks[False], peaks

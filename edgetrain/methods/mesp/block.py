@@ -26,7 +26,7 @@ from edgetrain.methods.mesp.ops import (GATED_ACTIVATIONS, LinearWeights, LoRAGr
                                         linear_group_forward, linear_group_input_grad, lora_group_backward,
                                         rms_norm_backward, rms_norm_forward,
                                         rope_backward, rope_forward)
-from edgetrain.methods.mesp.step_buffers import fresh_allocations
+from edgetrain.methods.mesp.step_buffers import fresh_allocations, release_free
 from edgetrain.models.llama import DecoderBlock, LlamaConfig, rope_cos_sin
 from edgetrain.models.lora import LORA_TARGETS, LoRALinear
 from edgetrain.models.quantized import QuantizedLinear
@@ -267,6 +267,9 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
         grad_chunk.add_(rms_norm_backward(h1_chunk, weights.post_attention_norm, weights.eps, grad_normed))
         del normed, grad_normed
     del h1
+    # The MLP's [tokens, intermediate] buffers are free now; the attention's backward needs other shapes, and
+    # held through its peak they would add to it (step_buffers.py).
+    release_free()
 
     grad_o = flat_grad
     if o_out is not None:
