@@ -353,6 +353,18 @@ def test_personalise_run_on_a_filling_disk_keeps_the_promoted_version_and_resume
         assert _same_version(store, personalised_reference, 2)
 
 
+def test_personalise_status_plot_on_a_full_disk_keeps_the_previous_picture(small_disk, personalised_reference, capsys):
+    pytest.importorskip("matplotlib", reason="the plot extra")
+    disk = small_disk(64)
+    picture = disk / "history.png"
+    picture.write_bytes(b"the previous picture")
+    fill_up(disk, leave=0)
+    cli_refuses(["personalise", "status", "--store", str(personalised_reference), "--plot", str(picture)], capsys,
+                f"{picture}: it needs")
+    assert picture.read_bytes() == b"the previous picture"
+    assert sorted(p.name for p in disk.iterdir()) == ["another-app.bin", "history.png"]
+
+
 class _FullAt:
     """A store connection whose statements starting with `prefix` fail as SQLite fails on a full disk."""
 
