@@ -90,7 +90,8 @@ def test_a_directory_write_that_runs_out_of_space_keeps_the_old_directory(tmp_pa
     target = tmp_path / "adapter"
     atomic_write_directory(target, lambda tmp: (tmp / "weights").write_bytes(b"old"))
     monkeypatch.setattr(os, "fsync", _enospc)
-    fault_tally.refused("full disk", lambda: atomic_write_directory(target, lambda tmp: (tmp / "weights").write_bytes(b"new")),
+    fault_tally.refused("full disk",
+                        lambda: atomic_write_directory(target, lambda tmp: (tmp / "weights").write_bytes(b"new")),
                         match=f"directory {target}: it did not fit")
     assert (target / "weights").read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
