@@ -222,7 +222,8 @@ def export_mlx_mesp(model: Any, batch_size: int, seq_len: int, out: str | Path,
         manifest["manifest_sha256"] = _manifest_digest(manifest)
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
-    return atomic_write_directory(out, write)
+    # The weights file holds at least the tensors' bytes: a disk that cannot is refused before anything is traced.
+    return atomic_write_directory(out, write, needed=sum(int(array.nbytes) for array in tensors.values()))
 
 
 def _refuse_constant(name: str) -> Any:

@@ -153,6 +153,23 @@ def test_a_weights_file_that_cannot_fit_is_refused_before_writing(small_disk):
     _intact(disk, out)
 
 
+
+def test_mlx_functions_whose_weights_cannot_fit_are_refused_before_tracing(small_disk, monkeypatch):
+    mx = pytest.importorskip("mlx.core", reason="the mlx extra")
+    import edgetrain
+    from edgetrain.backends.mlx.lora import add_lora
+
+    monkeypatch.setattr(mx, "export_function", _never("the tracing"))
+    from edgetrain.export.mlx_program import export_mlx_mesp
+
+    model = edgetrain.load_model("tiny", backend="mlx")
+    add_lora(model, rank=4)
+    disk = small_disk(1024)
+    out = disk / "program"
+    _previous(out)
+    fault_tally.refused("full disk", lambda: export_mlx_mesp(model, 2, 16, out), match=f"directory {out}: it needs")
+    _intact(disk, out)
+
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory) -> Path:
     """An edgetrain adapter of the tiny preset (rank 8: 0.3 MB)."""
