@@ -23,9 +23,11 @@ from edgetrain.export.trainable import ExportError
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = "edgetrain_et_runner"
 MESP_RUNNER = "edgetrain_mesp_runner"
-# edgetrain_mesp_runner's exit statuses other than 0 (see targets/executorch/mesp_runner.cpp).
-MESP_EXIT_STATUS = {1: "internal error", 2: "usage", 3: "a bad, damaged or mismatched input",
-                    4: "an output that cannot be written", 5: "a non-finite step"}
+# The native runners' exit statuses other than 0 (the headers of targets/executorch/runner.cpp and
+# mesp_runner.cpp; targets/executorch/runner_io.h's run_main maps the refusals to them).
+RUNNER_EXIT_STATUS = {1: "internal error", 2: "usage", 3: "a bad, damaged or mismatched input",
+                      4: "an output that cannot be written", 5: "a non-finite step"}
+MESP_EXIT_STATUS = RUNNER_EXIT_STATUS
 _STEP = re.compile(r"^step (\d+) loss (\S+)$")
 
 
@@ -65,8 +67,11 @@ def run_runner(binary: str | Path, program: str | Path, batches: str | Path, lr:
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     if result.returncode != 0:
-        raise ExportError(f"{Path(binary).name} failed ({result.returncode}): "
-                          f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.stdout}")
+        # The runtime's own log lines share stderr with the runner's one sentence: name that one.
+        errors = [line for line in result.stderr.splitlines() if line.startswith(f"{Path(binary).name}:")]
+        error = errors[-1] if errors else (result.stderr.strip()[-500:] or result.stdout[-500:])
+        raise ExportError(f"{Path(binary).name} exited with {result.returncode} "
+                          f"({RUNNER_EXIT_STATUS.get(result.returncode, 'killed')}): {error}")
     losses = []
     for line in result.stdout.splitlines():
         match = _STEP.match(line.strip())
@@ -103,7 +108,7 @@ def run_mesp_runner(binary: str | Path, program: str | Path, batches: str | Path
     error = errors[-1] if errors else result.stderr.strip()[-500:]
     if check and result.returncode != 0:
         raise ExportError(f"{Path(binary).name} exited with {result.returncode} "
-                          f"({MESP_EXIT_STATUS.get(result.returncode, 'killed')}): {error}")
+                          f"({RUNNER_EXIT_STATUS.get(result.returncode, 'killed')}): {error}")
     losses = [struct.unpack("<f", struct.pack("<f", float(m.group(2))))[0]
               for m in (_STEP.match(line.strip()) for line in result.stdout.splitlines()) if m]
     adapter = {}

@@ -13,7 +13,11 @@
 
 #include <cerrno>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
+#include <functional>
+#include <map>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +36,16 @@ struct InputError : std::runtime_error {
 
 // An output that cannot be written (a missing or read-only directory, a full disk): exit status 4.
 struct OutputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A refused command line: one sentence naming the flag or argument, exit status 2.
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+// A step whose loss, gradients or update are not finite: nothing of it is kept, exit status 5.
+struct NonFiniteError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
@@ -300,6 +314,109 @@ inline std::string file_identity(const std::string& path) {
   if (::realpath(directory.c_str(), resolved) == nullptr) return "path " + path;
   const std::string prefix = std::string(resolved) == "/" ? "" : std::string(resolved);
   return "path " + prefix + "/" + path.substr(slash == std::string::npos ? 0 : slash + 1);
+}
+
+// `value` with `digits` significant digits (17 by default: two settings that print alike are the same double).
+inline std::string number_text(double value, int digits = 17) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.*g", digits, value);
+  return text;
+}
+
+// A finite number in [low, high] (or (low, high] where `low_open`), written in full: "1e309", "nan", "", "1x",
+// " 1" and the like are refused, not read as something else.
+inline double number_flag(const std::string& flag, const std::string& text, double low, double high,
+                          bool low_open = false) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || used != text.size() ||
+      !std::isfinite(value) || value < low || (low_open && value == low) || value > high) {
+    throw UsageError(flag + " takes a number in " + (low_open ? "(" : "[") + number_text(low, 9) + ", " +
+                     number_text(high, 9) + "], not '" + text + "'");
+  }
+  return value;
+}
+
+// A step count: digits only ("1.5", "1e3", "-1", "+1" refused), at least 1, and no more than a uint64 holds.
+inline uint64_t steps_flag(const std::string& flag, const std::string& text) {
+  const bool digits = !text.empty() && text.size() <= 19 &&
+                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const uint64_t value = digits ? std::stoull(text) : 0;
+  if (!digits || value == 0) throw UsageError(flag + " takes a whole number of steps from 1, not '" + text + "'");
+  return value;
+}
+
+// A runner's command line: `positional` arguments and `--flag value` pairs of the `known` flags, each at most
+// once. False where -h/--help asked for the usage. An unknown flag, a flag without its value (or whose value is
+// itself a flag: "--save --lr 1e-3" forgot the path), a flag given twice, and an empty path are refused.
+inline bool parse_command_line(int argc, char** argv, const std::vector<std::string>& known,
+                               const std::vector<std::string>& path_flags, std::vector<std::string>& positional,
+                               std::map<std::string, std::string>& options) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") return false;
+    if (arg.size() > 1 && arg[0] == '-') {
+      if (std::find(known.begin(), known.end(), arg) == known.end()) throw UsageError("unknown option '" + arg + "'");
+      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) throw UsageError(arg + " needs a value");
+      if (options.count(arg)) throw UsageError(arg + " is given twice ('" + options[arg] + "', '" + argv[i + 1] + "')");
+      options[arg] = argv[++i];
+    } else {
+      positional.push_back(arg);
+    }
+  }
+  for (const std::string& flag : path_flags) {
+    if (options.count(flag) && options[flag].empty()) throw UsageError(flag + " needs a path, not ''");
+  }
+  return true;
+}
+
+// No output may land on another file of the run: an input, another output, or their temporaries (atomic_write
+// goes through PATH.tmp). Pairs are (what, path); an output's `what` is its flag. Refused as usage (status 2).
+inline void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>& inputs,
+                                const std::vector<std::pair<std::string, std::string>>& outputs) {
+  for (const auto& [flag, path] : outputs) {
+    for (const std::string& written : {path, path + ".tmp"}) {
+      auto others = inputs;
+      for (const auto& other : outputs) {
+        if (other.first != flag) others.push_back({"the output of " + other.first, other.second});
+      }
+      for (const auto& [what, other] : others) {
+        if (file_identity(written) == file_identity(other)) {
+          throw UsageError(flag + " " + path + " would write over " + what + " " + other +
+                           ": give the outputs paths of their own");
+        }
+      }
+    }
+  }
+}
+
+// main() of a runner: the refusals above as exit statuses, each one sentence on stderr naming the runner.
+// 2 usage, 3 a bad input file or batch, 4 an output that cannot be written, 5 a non-finite step, 1 anything
+// else (an internal error).
+inline int run_main(const char* runner, const std::function<int()>& run) {
+  try {
+    return run();
+  } catch (const UsageError& error) {
+    std::fprintf(stderr, "%s: error: %s (--help for the usage)\n", runner, error.what());
+    return 2;
+  } catch (const InputError& error) {
+    std::fprintf(stderr, "%s: error: %s\n", runner, error.what());
+    return 3;
+  } catch (const OutputError& error) {
+    std::fprintf(stderr, "%s: error: %s\n", runner, error.what());
+    return 4;
+  } catch (const NonFiniteError& error) {
+    std::fprintf(stderr, "%s: error: %s; nothing was written\n", runner, error.what());
+    return 5;
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "%s: error: %s\n", runner, error.what());
+    return 1;
+  }
 }
 
 struct NamedFloats {

@@ -48,12 +48,13 @@ def test_runner_loss_trajectory_equals_the_python_runtime(runner, tmp_path):
     for name, value in weights.items():
         assert float((native.parameters[name] - value).abs().max()) <= 1e-6
     assert float((native.parameters["head.weight"] - model.head.weight).abs().max()) > 1e-3  # it trained
-    # --steps stops early; a batch file of the wrong shape is refused with the shapes in question.
+    # --steps stops early; a batch file of the wrong shape is refused (exit status 3) with the shapes in question.
     assert len(run_runner(runner, program, batch_file, 0.3, steps=2).losses) == 2
     from edgetrain.export import ExportError
 
     wrong = write_batch_file(tmp_path / "wrong.bin", list(itertools.islice(digits_stream(batch_size=8), 2)))
-    with pytest.raises(ExportError, match="shapes match"):
+    with pytest.raises(ExportError, match=r"exited with 3 .*wrong.bin: the batches are Float \[8, 64\], Long \[8\], "
+                                          r".*head.pte takes Float \[16, 64\], Long \[16\]"):
         run_runner(runner, program, wrong, 0.3)
 
 
