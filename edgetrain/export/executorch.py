@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import operator
 import re
+import struct
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -255,6 +257,18 @@ def _check_runtime_has_kernels(program) -> None:
                           "kernel library that provides them")
 
 
+# The integrity record the native runner checks (targets/executorch/runner.cpp): 16 bytes after the program,
+# "EDGEPTE1", u32 CRC-32 of every byte before them, u32 0. A .pte has no checksum of its own, and ExecuTorch
+# loads a flipped weight or operator argument without a word; it reads a .pte by the sizes in its own header,
+# so it ignores these bytes.
+PROGRAM_SEAL = b"EDGEPTE1"
+
+
+def seal_program(data: bytes) -> bytes:
+    """`data` (a .pte) with the checksum edgetrain_et_runner verifies before it loads a program."""
+    return bytes(data) + PROGRAM_SEAL + struct.pack("<II", zlib.crc32(data), 0)
+
+
 def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = None) -> bytes:
     """Export the joint forward-backward program of `model` (its trainable weights as set by requires_grad)
     for batches shaped like `batch`; write it to `path` (a .pte) when given and return its bytes."""
@@ -292,7 +306,7 @@ def export_executorch(model: nn.Module, batch: Batch, path: str | Path | None = 
     finally:
         model.train(was_training)
     _check_runtime_has_kernels(program)
-    data = program.buffer
+    data = seal_program(program.buffer)
     if path is not None:
         atomic_write_bytes(data, path)
     return data

@@ -19,13 +19,14 @@
 // Every refusal is one sentence on stderr naming the file or flag. Nothing is written but --save, once, after
 // the last step (crash-safe: a kill at any moment leaves the earlier file or the whole new one), so a refused
 // run writes nothing. Only regular files are read (a FIFO or directory in a file's place is refused without
-// blocking), and --save may not be an input. Before the first step the program's layout (its extended
-// header's sizes against the file's, then ExecuTorch's full flatbuffer check), its inputs against the batch
+// blocking), and --save may not be an input. Before the first step the program's checksum and layout (its
+// extended header's sizes against the file's, then ExecuTorch's full flatbuffer check), its inputs against the batch
 // file's tensors, its outputs against a training program's, and every batch's values (finite floats, no
 // negative ids but the ignored target -100) are checked; an id past the vocabulary or a class past the
 // model's is found by the program's own kernels when its batch comes (exit 3, naming the batch). A step is
-// all or nothing: a non-finite loss, gradient or update stops the run with nothing saved. The program has no
-// checksum: a flipped byte inside its weights trains on the weights it then holds, as the Python runtime does.
+// all or nothing: a non-finite loss, gradient or update stops the run with nothing saved. A .pte has no
+// checksum of its own: edgetrain's export appends one, which is checked first (a program exported before it was
+// is refused: export it again).
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/runtime.h>
@@ -66,6 +67,27 @@ uint64_t read_u64(const std::string& bytes, size_t offset) {
   uint64_t value;
   std::memcpy(&value, bytes.data() + offset, 8);
   return value;
+}
+
+// A .pte has no checksum of its own, and ExecuTorch loads one with a flipped weight or operator argument (or
+// aborts inside the runtime): edgetrain's export seals it with 16 bytes after it (edgetrain/export/executorch.py
+// seal_program), "EDGEPTE1", u32 CRC-32 of every byte before them, u32 0. The program without them is returned.
+std::string unseal_program(const std::string& path, std::string bytes) {
+  constexpr size_t kSeal = 16;
+  uint32_t crc = 0, zero = 1;
+  if (bytes.size() >= kSeal) {
+    std::memcpy(&crc, bytes.data() + bytes.size() - 8, 4);
+    std::memcpy(&zero, bytes.data() + bytes.size() - 4, 4);
+  }
+  if (bytes.size() < kSeal || bytes.compare(bytes.size() - kSeal, 8, "EDGEPTE1") != 0 || zero != 0) {
+    throw InputError(path + ": no edgetrain checksum at its end (" + std::to_string(bytes.size()) +
+                     " bytes): truncated, extended, or not from `edgetrain export --runtime executorch` (export it again)");
+  }
+  bytes.resize(bytes.size() - kSeal);
+  if (edgetrain::crc32(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) != crc) {
+    throw InputError(path + ": the checksum does not match: the program is damaged");
+  }
+  return bytes;
 }
 
 // A .pte begins with the flatbuffer's root offset and its identifier ("ET" and two digits), then ExecuTorch's
@@ -341,7 +363,7 @@ int run(int argc, char** argv) {
 
   executorch::runtime::runtime_init();
   const BatchFile batches = edgetrain::read_batch_file(batches_path);
-  TrainingProgram program(program_path, edgetrain::read_regular(program_path, "program"));
+  TrainingProgram program(program_path, unseal_program(program_path, edgetrain::read_regular(program_path, "program")));
   program.expect_batches(batches_path, batches);
   check_batch_values(batches_path, batches);
   if (steps > batches.count) {
