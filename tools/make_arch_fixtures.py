@@ -67,9 +67,8 @@ def _gemma3() -> Any:
 ARCHITECTURES: dict[str, Callable[[], Any]] = {"llama3": _llama3, "qwen3": _qwen3, "gemma3": _gemma3}
 PRE_TOKENIZERS = {"llama3": "llama-bpe", "qwen3": "qwen2", "gemma3": "llama-bpe"}
 # Turn markers a model's template needs that the fixtures' vocabulary lacks: added as special tokens.
-TURN_TOKENS = {"gemma3": ["<start_of_turn>", "<end_of_turn>"]}
-# Turn markers a model's template needs that the fixtures' vocabulary lacks: added as special tokens.
-TURN_TOKENS = {"gemma3": ["<start_of_turn>", "<end_of_turn>"]}
+TURN_TOKENS = {"gemma3": ["<start_of_turn>", "<end_of_turn>"],
+               "llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
 # The chat template each model's tokenizer carries (the converter copies it into the GGUF), written in the form
 # of the published models' templates with the turn markers the fixtures' vocabulary has. Qwen3's is ChatML;
 # with add_generation_prompt it opens the assistant's turn with an empty think block (thinking off).
@@ -78,6 +77,12 @@ CHAT_TEMPLATES = {
               "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
               "{%- endfor %}"
               "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{%- endif %}"),
+    # Llama 3.x's headers; a turn ends with <|eot_id|> (its published template also opens with the BOS token).
+    "llama3": ("{{- bos_token }}{%- for message in messages %}"
+               "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+               " + '<|eot_id|>' }}"
+               "{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"),
     # Gemma's turns: the assistant is "model".
     "gemma3": ("{%- for message in messages %}"
                "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"

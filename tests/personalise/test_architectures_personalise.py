@@ -1,4 +1,4 @@
-"""Today's architectures in the personaliser and in chat: the Qwen3 and Gemma 3 fixtures (tests/fixtures/arch, their
+"""Today's architectures in the personaliser and in chat: the Llama 3.x, Qwen3 and Gemma 3 fixtures (tests/fixtures/arch, their
 GGUFs made by llama.cpp's converter with each model's chat template) render chats as transformers does, stop a
 reply at the model's own end of turn, and a personaliser window on each trains, evaluates and gates with both
 figures in the event, its retain set answered through that template."""
@@ -22,7 +22,7 @@ from chat_testkit import spy_on_generate_ids  # noqa: E402
 
 ARCH = Path(__file__).resolve().parents[1] / "fixtures" / "arch"
 # The fixtures whose tokenizer carries a chat template, and the end of turn that template writes.
-END_OF_TURN = {"qwen3": "<|im_end|>", "gemma3": "<end_of_turn>"}
+END_OF_TURN = {"llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>"}
 CHATTY = sorted(END_OF_TURN)
 CHAT = [{"role": "user", "content": "What is my cat called?"}]
 
