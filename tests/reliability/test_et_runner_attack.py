@@ -204,7 +204,8 @@ def test_a_damaged_input_is_refused_naming_it(runner, workspace, exported, role,
 
 @pytest.mark.parametrize("swap", ["another model's program", "another model's batches",
                                   "the batch file as the program", "the program as the batch file",
-                                  "a program exported before the checksum"])
+                                  "a program exported before the checksum", "a truncated program, resealed",
+                                  "an extended program, resealed"])
 def test_a_file_swapped_for_another_is_refused(runner, workspace, decoder, swap):
     other_program, other_batches, _ = decoder
     w = workspace
@@ -212,14 +213,19 @@ def test_a_file_swapped_for_another_is_refused(runner, workspace, decoder, swap)
                     "another model's batches": (other_batches, "batches.bin"),
                     "the batch file as the program": (w / "batches.bin", "head.pte"),
                     "the program as the batch file": (w / "head.pte", "batches.bin"),
-                    "a program exported before the checksum": (w / "head.pte", "head.pte")}[swap]
+                    "a program exported before the checksum": (w / "head.pte", "head.pte"),
+                    "a truncated program, resealed": (w / "head.pte", "head.pte"),
+                    "an extended program, resealed": (w / "head.pte", "head.pte")}[swap]
     data = Path(source).read_bytes()
     if swap == "a program exported before the checksum":
         assert data[-16:-8] == PROGRAM_SEAL
         data = data[:-16]
+    elif "resealed" in swap:  # a checksum that holds over a program its own header does not describe
+        data = _reseal(bytearray(data[:-16 - 64] + data[-16:] if "truncated" in swap else data[:-16] + bytes(64) + data[-16:]))
     (w / name).write_bytes(data)
     before = _snapshot(w)
-    _refused(_run(runner, *_command(w)), 3, name, before=before, directory=w)
+    words = ("do not match",) if swap == "another model's batches" else ()  # found before the kernels
+    _refused(_run(runner, *_command(w)), 3, name, *words, before=before, directory=w)
 
 
 # -- batch files ----------------------------------------------------------------------------------------------
