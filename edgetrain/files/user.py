@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ _FILE_KINDS = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pip
                (stat.S_ISBLK, "a block device")]
 
 
+def _not_regular(path: Path, mode: int, error: type[EdgetrainError], what: str) -> EdgetrainError:
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+    return error(f"{path}: {what} is {kind}, not a regular file")
+
+
 def require_regular_file(path: str | Path, error: type[EdgetrainError], what: str) -> Path:
     """`path` if it is (or links to) a regular file; else `error` naming the path and what it is."""
     path = Path(path)
@@ -33,9 +39,29 @@ def require_regular_file(path: str | Path, error: type[EdgetrainError], what: st
     except OSError as exc:  # a link loop, a name too long, no permission on a parent
         raise error(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-        raise error(f"{path}: {what} is {kind}, not a regular file")
+        raise _not_regular(path, mode, error, what)
     return path
+
+
+def open_regular_file(path: str | Path, error: type[EdgetrainError], what: str,
+                      missing: str = "does not exist") -> int:
+    """A read-only descriptor of `path` if it is (or links to) a regular file; else `error` naming the path and
+    what it is (`missing` says what a missing file means). The kind is checked before the open (a FIFO would
+    block it, a device stream without end) and again on the descriptor: the name can be swapped in between."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISREG(mode):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                return fd
+            os.close(fd)
+    except FileNotFoundError:
+        raise error(f"{path}: {what} {missing}") from None
+    except (OSError, ValueError) as exc:  # a link loop, no permission, a NUL byte in the name
+        raise error(f"{path}: cannot read {what} ({getattr(exc, 'strerror', None) or exc})") from None
+    raise _not_regular(path, mode, error, what)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -49,10 +75,22 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_json(text: str | bytes, error: type[EdgetrainError], where: str) -> Any:
-    """Strict JSON: finite numbers only; nesting too deep for the parser is an `error`, not a crash."""
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Python's reader keeps the last of two equal keys; which one another reader keeps is anyone's guess.
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        result[key] = value
+    return result
+
+
+def parse_json(text: str | bytes, error: type[EdgetrainError], where: str, unique_keys: bool = False) -> Any:
+    """Strict JSON: finite numbers only (and, with `unique_keys`, no key twice in an object); nesting too deep
+    for the parser is an `error`, not a crash."""
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys if unique_keys else None)
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError; so are the hooks'

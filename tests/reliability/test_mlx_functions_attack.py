@@ -29,8 +29,8 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install e
 
 import edgetrain  # noqa: E402
 from edgetrain.backends.mlx.lora import add_lora  # noqa: E402
-from edgetrain.export.mlx_program import (FILES, MANIFEST, WEIGHTS, MLXProgramTrainer,  # noqa: E402
-                                          _manifest_digest, export_mlx_mesp)
+from edgetrain.export.mlx_manifest import FILES, MANIFEST, WEIGHTS, manifest_digest  # noqa: E402
+from edgetrain.export.mlx_program import MLXProgramTrainer, export_mlx_mesp  # noqa: E402
 from edgetrain.registry import EdgetrainError  # noqa: E402
 from fault_tally import attempt, checked, fuzz_settings, record, refused  # noqa: E402
 
@@ -102,16 +102,16 @@ def rewrite_manifest(directory: Path, change, forge: bool) -> None:
     manifest = json.loads(path.read_text())
     change(manifest)
     if forge and isinstance(manifest, dict):
-        manifest["manifest_sha256"] = _manifest_digest(manifest)
+        manifest["manifest_sha256"] = manifest_digest(manifest)
     path.write_text(json.dumps(manifest))
 
 
-def forge_file_record(directory: Path, name: str) -> None:
+def forgefile_record(directory: Path, name: str) -> None:
     """Record `name`'s present size and SHA-256 in the manifest, forged: the file's swap then passes the
     checksums, and must be caught by the layout and the functions' own checks."""
-    from edgetrain.export.mlx_program import _file_record
+    from edgetrain.export.mlx_manifest import file_record
 
-    rewrite_manifest(directory, lambda m: m["files"].__setitem__(name, _file_record(directory / name)), forge=True)
+    rewrite_manifest(directory, lambda m: m["files"].__setitem__(name, file_record(directory / name)), forge=True)
 
 
 # --- Cases in a child process -------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def swapped_copies(exports, work: Path) -> dict[str, tuple[Path, str | None]]:
                 shutil.copy(exports[other] / name, directory / name)
                 identical = (exports[other] / name).read_bytes() == (exports["program"] / name).read_bytes()
                 if forged:
-                    forge_file_record(directory, name)
+                    forgefile_record(directory, name)
                 cases[label] = (directory, None if identical else name if not forged else None)
         # The whole manifest of another export, and the manifest with its weights: files of mixed exports.
         directory = fresh_copy(exports["program"], work / f"manifest-of-{other}")
@@ -296,7 +296,7 @@ def test_forged_weights_of_the_same_layout_train_as_their_own_program(exports, t
     exactly as the seed-1 export itself does, never a mix."""
     directory = fresh_copy(exports["program"], tmp_path / "forged")
     shutil.copy(exports["seed1"] / WEIGHTS, directory / WEIGHTS)
-    forge_file_record(directory, WEIGHTS)
+    forgefile_record(directory, WEIGHTS)
     own = load_and_step(exports["seed1"])
     attempt(FAULT, lambda: load_and_step(directory),
             sound=lambda result: same_as_reference((own[0], {k: np.array(v) for k, v in own[1].items()}), *result))
@@ -309,7 +309,7 @@ def crafted_weights(program: Path, work: Path, label: str, change) -> Path:
     arrays, metadata = mx.load(str(directory / WEIGHTS), return_metadata=True)
     change(arrays)
     mx.save_safetensors(str(directory / WEIGHTS), arrays, metadata=metadata)
-    forge_file_record(directory, WEIGHTS)
+    forgefile_record(directory, WEIGHTS)
     return directory
 
 
