@@ -36,7 +36,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
-#include <csignal>
 #include <cmath>
 #include <map>
 #include <set>
@@ -51,14 +50,11 @@ using executorch::extension::TensorPtr;
 using executorch::extension::make_tensor_ptr;
 using executorch::runtime::EValue;
 using edgetrain::InputError;
+using edgetrain::NonFiniteError;
 
 namespace {
 
 constexpr int64_t kFormatVersion = 4;  // 2: int8 row_halves codes; 3: signed 8-bit codes; 4: wide codes, k-quant steps (edgetrain/export/mesp_graph.py)
-
-struct NonFinite : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 struct WeightsTensor {
   std::string name;
@@ -254,13 +250,6 @@ uint32_t batches_crc(const edgetrain::BatchFile& batches, uint64_t count) {
   return edgetrain::crc32(reinterpret_cast<const unsigned char*>(batches.data.data()), count * batches.batch_bytes);
 }
 
-// 17 significant digits by default: two settings that print alike are the same double.
-std::string setting_text(double value, int digits = 17) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.*g", digits, value);
-  return text;
-}
-
 // False where there is no checkpoint yet (a first run). Anything else that is not this run's own checkpoint is
 // refused, never trained over: the file is left as it is.
 bool load_checkpoint(const std::string& path, const std::string& batches_path, const edgetrain::BatchFile& batches,
@@ -306,8 +295,9 @@ bool load_checkpoint(const std::string& path, const std::string& batches_path, c
     double recorded;
     std::memcpy(&recorded, data.data() + 44 + 8 * i, 8);
     if (std::memcmp(&recorded, &wanted[i], 8) != 0) {
-      throw InputError(path + ": the checkpoint was trained with " + names[i] + " " + setting_text(recorded) +
-                       ", not " + setting_text(wanted[i]) + ": resume with the same settings (or remove it to start over)");
+      throw InputError(path + ": the checkpoint was trained with " + names[i] + " " +
+                       edgetrain::number_text(recorded) + ", not " + edgetrain::number_text(wanted[i]) +
+                       ": resume with the same settings (or remove it to start over)");
     }
   }
   std::vector<std::vector<float>> adapters(blocks), exp_avg(blocks), exp_avg_sq(blocks);
@@ -436,7 +426,7 @@ class MeSPRunner {
     TensorPtr final_hidden = floats(stored_inputs_[shape_.blocks], hidden_sizes);
     const auto head = run("head", with(head_, {EValue(*final_hidden), EValue(*targets_tensor)}));
     const float loss = output(nth(head, 0), 1).const_data_ptr<float>()[0];
-    if (!std::isfinite(loss)) throw NonFinite("batch " + std::to_string(batch_index) + ": the loss is not finite");
+    if (!std::isfinite(loss)) throw NonFiniteError("batch " + std::to_string(batch_index) + ": the loss is not finite");
     copy_out(nth(head, 1), grad_);
 
     std::vector<std::vector<float>> grads(static_cast<size_t>(shape_.blocks));
@@ -449,7 +439,8 @@ class MeSPRunner {
       grads[b].resize(static_cast<size_t>(shape_.adapter_numel));
       copy_out(nth(out, 1), grads[b]);
       if (!all_finite(grads[b].data(), grads[b].size())) {
-        throw NonFinite("batch " + std::to_string(batch_index) + ": a non-finite gradient in block " + std::to_string(b));
+        throw NonFiniteError("batch " + std::to_string(batch_index) + ": a non-finite gradient in block " +
+                             std::to_string(b));
       }
       copy_out(nth(out, 0), grad_);
     }
@@ -466,7 +457,7 @@ class MeSPRunner {
         for (size_t i = 0; i < 3; ++i) {
           const Tensor& t = output(nth(out, i), static_cast<size_t>(shape_.adapter_numel));
           if (!keep && !all_finite(t.const_data_ptr<float>(), static_cast<size_t>(t.numel()))) {
-            throw NonFinite("batch " + std::to_string(batch_index) + ": the AdamW update of block " +
+            throw NonFiniteError("batch " + std::to_string(batch_index) + ": the AdamW update of block " +
                             std::to_string(b) + " came out non-finite");
           }
         }
@@ -571,11 +562,6 @@ class MeSPRunner {
     if (index >= outputs.size()) throw InputError("a method returned fewer outputs than a MeSP program's");
     return outputs[index];
   }
-  std::string describe(ScalarType type, const std::vector<SizesType>& sizes) const {
-    std::string text = std::string(executorch::runtime::toString(type)) + " [";
-    for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
-    return text + "]";
-  }
   // The program's own input `index` of `method` against what the weights file makes of it.
   void expect_input(const std::string& method, size_t index, ScalarType type, const std::vector<SizesType>& sizes) {
     const auto meta = module_.method_meta(method);
@@ -591,8 +577,8 @@ class MeSPRunner {
     const std::vector<SizesType> wanted(info->sizes().begin(), info->sizes().end());
     if (info->scalar_type() != type || wanted != sizes) {
       throw InputError(weights_.path() + " does not fit " + program_path_ + ": method " + method + "'s input " +
-                       std::to_string(index) + " is " + describe(type, sizes) + ", the program takes " +
-                       describe(info->scalar_type(), wanted));
+                       std::to_string(index) + " is " + edgetrain::describe_tensor(type, sizes) +
+                       ", the program takes " + edgetrain::describe_tensor(info->scalar_type(), wanted));
     }
   }
   std::vector<EValue> run(const std::string& method, const std::vector<EValue>& inputs) {
@@ -637,76 +623,30 @@ int usage() {
   return 2;
 }
 
-// A refused command line: one sentence naming the flag or argument, exit status 2.
-struct UsageError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
-
-// A finite number in [low, high] (or (low, high] where `low_open`), written in full: "1e309", "nan", "", "1x"
-// and the like are refused, not read as something else.
-double number(const std::string& flag, const std::string& text, double low, double high, bool low_open = false) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || used != text.size() ||
-      !std::isfinite(value) || value < low || (low_open && value == low) || value > high) {
-    throw UsageError(flag + " takes a number in " + (low_open ? "(" : "[") + setting_text(low, 9) + ", " +
-                     setting_text(high, 9) + "], not '" + text + "'");
-  }
-  return value;
-}
-
-// A step count: digits only, at least 1, and no more than a uint64 holds.
-uint64_t whole_number(const std::string& flag, const std::string& text) {
-  const bool digits = !text.empty() && text.size() <= 19 &&
-                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
-  const uint64_t value = digits ? std::stoull(text) : 0;
-  if (!digits || value == 0) throw UsageError(flag + " takes a whole number of steps from 1, not '" + text + "'");
-  return value;
-}
-
 int run(int argc, char** argv) {
   std::vector<std::string> positional;
   std::map<std::string, std::string> options;
-  static const char* known[] = {"--weights", "--steps", "--lr", "--beta1", "--beta2", "--eps", "--weight-decay",
-                                "--checkpoint", "--save"};
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") {
-      usage();
-      return 0;
-    }
-    if (arg.size() > 1 && arg[0] == '-') {
-      if (std::find(std::begin(known), std::end(known), arg) == std::end(known)) {
-        throw UsageError("unknown option '" + arg + "'");
-      }
-      // A value that is itself a flag is a forgotten value ("--save --lr 1e-3"), not a file named --lr.
-      if (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0) throw UsageError(arg + " needs a value");
-      if (options.count(arg)) throw UsageError(arg + " is given twice ('" + options[arg] + "', '" + argv[i + 1] + "')");
-      options[arg] = argv[++i];
-    } else {
-      positional.push_back(arg);
-    }
+  if (!edgetrain::parse_command_line(argc, argv, {"--weights", "--steps", "--lr", "--beta1", "--beta2", "--eps",
+                                                  "--weight-decay", "--checkpoint", "--save"},
+                                     {}, positional, options)) {
+    usage();
+    return 0;
   }
-  if (positional.size() != 2) {
-    throw UsageError("takes PROGRAM.pte and BATCHES.bin, not " + std::to_string(positional.size()) + " arguments");
-  }
-  for (const char* flag : {"--weights", "--checkpoint", "--save"}) {
-    if (options.count(flag) && options[flag].empty()) throw UsageError(std::string(flag) + " needs a path, not ''");
-  }
+  // A wrong argument count is named before an empty path, as this runner always did: so the paths are checked
+  // here, not by parse_command_line.
+  edgetrain::check_program_and_batches(positional);
+  edgetrain::check_path_flags(options, {"--weights", "--checkpoint", "--save"});
   AdamW adamw;
   uint64_t steps = 0;  // 0: every batch
-  if (options.count("--lr")) adamw.lr = number("--lr", options["--lr"], 0, 1e6);
-  if (options.count("--beta1")) adamw.beta1 = number("--beta1", options["--beta1"], 0, 0.999999);
-  if (options.count("--beta2")) adamw.beta2 = number("--beta2", options["--beta2"], 0, 0.999999999);
+  if (options.count("--lr")) adamw.lr = edgetrain::number_flag("--lr", options["--lr"], 0, 1e6);
+  if (options.count("--beta1")) adamw.beta1 = edgetrain::number_flag("--beta1", options["--beta1"], 0, 0.999999);
+  if (options.count("--beta2")) adamw.beta2 = edgetrain::number_flag("--beta2", options["--beta2"], 0, 0.999999999);
   // eps 0 divides by zero wherever a gradient is exactly zero (every LoRA A at the first step).
-  if (options.count("--eps")) adamw.eps = number("--eps", options["--eps"], 0, 1, /*low_open=*/true);
-  if (options.count("--weight-decay")) adamw.weight_decay = number("--weight-decay", options["--weight-decay"], 0, 1e6);
-  if (options.count("--steps")) steps = whole_number("--steps", options["--steps"]);
+  if (options.count("--eps")) adamw.eps = edgetrain::number_flag("--eps", options["--eps"], 0, 1, /*low_open=*/true);
+  if (options.count("--weight-decay")) {
+    adamw.weight_decay = edgetrain::number_flag("--weight-decay", options["--weight-decay"], 0, 1e6);
+  }
+  if (options.count("--steps")) steps = edgetrain::steps_flag("--steps", options["--steps"]);
   const std::string program = positional[0];
   std::string weights = options.count("--weights") ? options["--weights"] : program;
   if (!options.count("--weights")) {
@@ -717,28 +657,11 @@ int run(int argc, char** argv) {
   const std::string checkpoint = options.count("--checkpoint") ? options["--checkpoint"] : "";
   const std::string save = options.count("--save") ? options["--save"] : "";
 
-  // No output may land on another file of the run: an input, the other output, or their temporaries (the
-  // crash-safe write goes through PATH.tmp).
-  const std::vector<std::pair<std::string, std::string>> inputs = {
-      {"the program", program}, {"the weights file", weights}, {"the batch file", positional[1]}};
-  std::vector<std::pair<std::string, std::string>> outputs;
-  if (!checkpoint.empty()) outputs.push_back({"--checkpoint", checkpoint});
-  if (!save.empty()) outputs.push_back({"--save", save});
-  for (const auto& [flag, path] : outputs) {
-    for (const std::string& written : {path, path + ".tmp"}) {
-      auto others = inputs;
-      for (const auto& other : outputs) {
-        if (other.first != flag) others.push_back({other.first == "--save" ? "the adapter (--save)" : "the checkpoint",
-                                                   other.second});
-      }
-      for (const auto& [what, other] : others) {
-        if (edgetrain::file_identity(written) == edgetrain::file_identity(other)) {
-          throw UsageError(flag + " " + path + " would write over " + what + " " + other +
-                           ": give the outputs paths of their own");
-        }
-      }
-    }
-  }
+  std::vector<edgetrain::OutputPath> outputs;
+  if (!checkpoint.empty()) outputs.push_back({"--checkpoint", checkpoint, "the checkpoint"});
+  if (!save.empty()) outputs.push_back({"--save", save, "the adapter (--save)"});
+  edgetrain::check_outputs_apart({{"the program", program}, {"the weights file", weights},
+                                  {"the batch file", positional[1]}}, outputs);
 
   if (!save.empty()) edgetrain::check_writable(save, "the adapter");
   if (!checkpoint.empty()) edgetrain::check_writable(checkpoint, "the checkpoint");
@@ -759,17 +682,13 @@ int run(int argc, char** argv) {
     runner.check_batch(reinterpret_cast<const int64_t*>(batches.data.data() + b * batches.batch_bytes), b,
                        positional[1]);
   }
-  if (steps > batches.count) {
-    throw InputError(positional[1] + " holds " + std::to_string(batches.count) + " batches, fewer than --steps " +
-                     std::to_string(steps));
-  }
+  const uint64_t total = edgetrain::steps_to_run(steps, positional[1], batches);
   // The adapter file is put together once before training, so that one the weights file cannot describe is
   // refused before the steps, not after them.
   if (!save.empty()) runner.adapter_file();
   if (!checkpoint.empty() && load_checkpoint(checkpoint, positional[1], batches, shape, adamw, runner.state())) {
     std::printf("resumed from %s after step %" PRIu64 "\n", checkpoint.c_str(), runner.state().steps_done);
   }
-  const uint64_t total = steps == 0 ? batches.count : steps;
   if (runner.state().steps_done > total) {
     throw InputError(checkpoint + ": the checkpoint is after step " + std::to_string(runner.state().steps_done) +
                      ", past --steps " + std::to_string(total) + ": its adapter is not the one asked for");
@@ -794,9 +713,7 @@ int run(int argc, char** argv) {
     std::printf("timing: first step %.6f s, then %.6f s a step over %" PRIu64 " steps\n", first_seconds,
                 total_seconds / static_cast<double>(timed - 1), timed - 1);
   }
-  if (edgetrain::peak_resident_kb() >= 0) {
-    std::printf("memory: peak resident %ld kB (VmHWM)\n", edgetrain::peak_resident_kb());
-  }
+  edgetrain::print_peak_memory();
   if (!save.empty()) {
     edgetrain::atomic_write(save, runner.adapter_file());
     std::printf("saved the adapter to %s\n", save.c_str());
@@ -807,24 +724,6 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // A reader that closes the pipe of "step N" lines must not kill the run between a checkpoint and the next.
-  std::signal(SIGPIPE, SIG_IGN);
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& error) {
-    std::fprintf(stderr, "edgetrain_mesp_runner: error: %s (--help for the usage)\n", error.what());
-    return 2;
-  } catch (const InputError& error) {
-    std::fprintf(stderr, "edgetrain_mesp_runner: error: %s\n", error.what());
-    return 3;
-  } catch (const edgetrain::OutputError& error) {
-    std::fprintf(stderr, "edgetrain_mesp_runner: error: %s\n", error.what());
-    return 4;
-  } catch (const NonFinite& error) {
-    std::fprintf(stderr, "edgetrain_mesp_runner: error: %s; nothing was changed\n", error.what());
-    return 5;
-  } catch (const std::exception& error) {
-    std::fprintf(stderr, "edgetrain_mesp_runner: error: %s\n", error.what());
-    return 1;
-  }
+  // Earlier steps' checkpoints stand after a non-finite step: what it refuses is only its own change.
+  return edgetrain::run_main("edgetrain_mesp_runner", [&] { return run(argc, argv); }, "nothing was changed");
 }

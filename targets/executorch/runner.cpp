@@ -34,7 +34,6 @@
 #include <executorch/extension/data_loader/buffer_data_loader.h>
 
 #include <cinttypes>
-#include <csignal>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -61,7 +60,6 @@ namespace {
 using edgetrain::BatchFile;
 using edgetrain::InputError;
 using edgetrain::TensorSpec;
-using edgetrain::UsageError;
 
 uint64_t read_u64(const std::string& bytes, size_t offset) {
   uint64_t value;
@@ -118,12 +116,6 @@ void check_program_layout(const std::string& path, const std::string& bytes) {
   }
 }
 
-std::string describe(ScalarType type, const std::vector<int64_t>& sizes) {
-  std::string text = std::string(executorch::runtime::toString(type)) + " [";
-  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
-  return text + "]";
-}
-
 // A training program from `edgetrain export --runtime executorch`, loaded from the bytes that were checked (not
 // the path again, which could be replaced meanwhile). Its parameter outputs alias its weights, which the
 // BufferDataLoader leaves in `bytes_`: SGD writes them there.
@@ -170,14 +162,14 @@ class TrainingProgram {
     bool same = meta.ok() && meta->num_inputs() == batches.specs.size();
     for (size_t i = 0; i < batches.specs.size(); ++i) {
       const TensorSpec& spec = batches.specs[i];
-      given += (i ? ", " : "") + describe(spec.type, spec.dims);
+      given += (i ? ", " : "") + edgetrain::describe_tensor(spec.type, spec.dims);
       if (!meta.ok() || i >= meta->num_inputs() || !meta->input_tensor_meta(i).ok()) {
         same = false;
         continue;
       }
       const auto info = meta->input_tensor_meta(i);
       const std::vector<int64_t> sizes(info->sizes().begin(), info->sizes().end());
-      wanted += (i ? ", " : "") + describe(info->scalar_type(), sizes);
+      wanted += (i ? ", " : "") + edgetrain::describe_tensor(info->scalar_type(), sizes);
       same = same && info->scalar_type() == spec.type && sizes == spec.dims;
     }
     if (!same) {
@@ -349,15 +341,14 @@ int run(int argc, char** argv) {
     usage();
     return 0;
   }
-  if (positional.size() != 2) {
-    throw UsageError("takes PROGRAM.pte and BATCHES.bin, not " + std::to_string(positional.size()) + " arguments");
-  }
+  edgetrain::check_program_and_batches(positional);
   const double lr = options.count("--lr") ? edgetrain::number_flag("--lr", options["--lr"], 0, 1e6) : 0.1;
   const uint64_t steps = options.count("--steps") ? edgetrain::steps_flag("--steps", options["--steps"]) : 0;
   const std::string program_path = positional[0], batches_path = positional[1];
   const std::string save = options.count("--save") ? options["--save"] : "";
   if (!save.empty()) {
-    edgetrain::check_outputs_apart({{"the program", program_path}, {"the batch file", batches_path}}, {{"--save", save}});
+    edgetrain::check_outputs_apart({{"the program", program_path}, {"the batch file", batches_path}},
+                                   {{"--save", save, "the parameters (--save)"}});
     edgetrain::check_writable(save, "the parameters");
   }
 
@@ -366,11 +357,7 @@ int run(int argc, char** argv) {
   TrainingProgram program(program_path, unseal_program(program_path, edgetrain::read_regular(program_path, "program")));
   program.expect_batches(batches_path, batches);
   check_batch_values(batches_path, batches);
-  if (steps > batches.count) {
-    throw InputError(batches_path + " holds " + std::to_string(batches.count) + " batches, fewer than --steps " +
-                     std::to_string(steps));
-  }
-  const uint64_t total = steps == 0 ? batches.count : steps;
+  const uint64_t total = edgetrain::steps_to_run(steps, batches_path, batches);
   std::printf("program %s: %zu trainable tensors, %" PRIu64 " batches, lr %g\n", program_path.c_str(),
               program.count(), total, lr);
 
@@ -385,9 +372,7 @@ int run(int argc, char** argv) {
     std::printf("step %" PRIu64 " loss %.9g\n", step + 1, loss);
     std::fflush(stdout);
   }
-  if (edgetrain::peak_resident_kb() >= 0) {
-    std::printf("memory: peak resident %ld kB (VmHWM)\n", edgetrain::peak_resident_kb());
-  }
+  edgetrain::print_peak_memory();
   if (!save.empty()) {
     edgetrain::atomic_write(save, program.parameters_file());
     std::printf("saved %zu parameters to %s\n", program.count(), save.c_str());
@@ -398,7 +383,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // A reader that closes the pipe of "step N" lines must not kill the run before its save.
-  std::signal(SIGPIPE, SIG_IGN);
   return edgetrain::run_main("edgetrain_et_runner", [&] { return run(argc, argv); });
 }

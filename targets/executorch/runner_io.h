@@ -1,8 +1,10 @@
-// Files the native runners read and write: edgetrain's batch stream file, safetensors output, crash-safe
-// replacement, and the two checksums the formats use (CRC-32 as zlib computes it, SHA-256).
+// What the native runners share, so that each is written once: the files they read and write (edgetrain's batch
+// stream file, safetensors output, crash-safe replacement, the two checksums the formats use: CRC-32 as zlib
+// computes it, SHA-256), their command line and output checks, and their exit statuses (run_main).
 #pragma once
 
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
+#include <executorch/runtime/core/exec_aten/util/scalar_type_util.h>
 
 #include <fcntl.h>
 #include <limits.h>
@@ -12,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 
 #include <algorithm>
 #include <array>
@@ -203,6 +206,19 @@ inline long peak_resident_kb() {
   return -1;
 }
 
+// After the steps: the peak resident set, where the kernel says it.
+inline void print_peak_memory() {
+  if (peak_resident_kb() >= 0) std::printf("memory: peak resident %ld kB (VmHWM)\n", peak_resident_kb());
+}
+
+// "Float [2, 16]": a tensor's type and sizes, as a refusal names what was given and what was wanted.
+template <typename Size>
+std::string describe_tensor(executorch::aten::ScalarType type, const std::vector<Size>& sizes) {
+  std::string text = std::string(executorch::runtime::toString(type)) + " [";
+  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+  return text + "]";
+}
+
 inline std::string json_escape(const std::string& text) {
   std::string out;
   for (char c : text) {
@@ -351,9 +367,19 @@ inline uint64_t steps_flag(const std::string& flag, const std::string& text) {
   return value;
 }
 
+// An empty path given to one of `path_flags` is refused: "" is no file, and would not be read as the default.
+inline void check_path_flags(const std::map<std::string, std::string>& options,
+                             const std::vector<std::string>& path_flags) {
+  for (const std::string& flag : path_flags) {
+    const auto given = options.find(flag);
+    if (given != options.end() && given->second.empty()) throw UsageError(flag + " needs a path, not ''");
+  }
+}
+
 // A runner's command line: `positional` arguments and `--flag value` pairs of the `known` flags, each at most
 // once. False where -h/--help asked for the usage. An unknown flag, a flag without its value (or whose value is
-// itself a flag: "--save --lr 1e-3" forgot the path), a flag given twice, and an empty path are refused.
+// itself a flag: "--save --lr 1e-3" forgot the path), a flag given twice, and an empty path of `path_flags`
+// (check_path_flags) are refused.
 inline bool parse_command_line(int argc, char** argv, const std::vector<std::string>& known,
                                const std::vector<std::string>& path_flags, std::vector<std::string>& positional,
                                std::map<std::string, std::string>& options) {
@@ -369,25 +395,44 @@ inline bool parse_command_line(int argc, char** argv, const std::vector<std::str
       positional.push_back(arg);
     }
   }
-  for (const std::string& flag : path_flags) {
-    if (options.count(flag) && options[flag].empty()) throw UsageError(flag + " needs a path, not ''");
-  }
+  check_path_flags(options, path_flags);
   return true;
 }
 
+// The program and the batch file, in that order: a third argument is a mistyped flag or path, never ignored.
+inline void check_program_and_batches(const std::vector<std::string>& positional) {
+  if (positional.size() != 2) {
+    throw UsageError("takes PROGRAM.pte and BATCHES.bin, not " + std::to_string(positional.size()) + " arguments");
+  }
+}
+
+// The steps to run: every batch where --steps was not given (0), else --steps, which the file must hold.
+inline uint64_t steps_to_run(uint64_t steps, const std::string& batches_path, const BatchFile& batches) {
+  if (steps > batches.count) {
+    throw InputError(batches_path + " holds " + std::to_string(batches.count) + " batches, fewer than --steps " +
+                     std::to_string(steps));
+  }
+  return steps == 0 ? batches.count : steps;
+}
+
+// An output of a run: its flag, its path, and what a refusal calls it when another output would land on it.
+struct OutputPath {
+  std::string flag, path, what;
+};
+
 // No output may land on another file of the run: an input, another output, or their temporaries (atomic_write
-// goes through PATH.tmp). Pairs are (what, path); an output's `what` is its flag. Refused as usage (status 2).
+// goes through PATH.tmp). Inputs are (what, path) pairs. Refused as usage (status 2).
 inline void check_outputs_apart(const std::vector<std::pair<std::string, std::string>>& inputs,
-                                const std::vector<std::pair<std::string, std::string>>& outputs) {
-  for (const auto& [flag, path] : outputs) {
-    for (const std::string& written : {path, path + ".tmp"}) {
+                                const std::vector<OutputPath>& outputs) {
+  for (const OutputPath& output : outputs) {
+    for (const std::string& written : {output.path, output.path + ".tmp"}) {
       auto others = inputs;
-      for (const auto& other : outputs) {
-        if (other.first != flag) others.push_back({"the output of " + other.first, other.second});
+      for (const OutputPath& other : outputs) {
+        if (other.flag != output.flag) others.push_back({other.what, other.path});
       }
       for (const auto& [what, other] : others) {
         if (file_identity(written) == file_identity(other)) {
-          throw UsageError(flag + " " + path + " would write over " + what + " " + other +
+          throw UsageError(output.flag + " " + output.path + " would write over " + what + " " + other +
                            ": give the outputs paths of their own");
         }
       }
@@ -396,9 +441,13 @@ inline void check_outputs_apart(const std::vector<std::pair<std::string, std::st
 }
 
 // main() of a runner: the refusals above as exit statuses, each one sentence on stderr naming the runner.
-// 2 usage, 3 a bad input file or batch, 4 an output that cannot be written, 5 a non-finite step, 1 anything
-// else (an internal error).
-inline int run_main(const char* runner, const std::function<int()>& run) {
+// 2 usage, 3 a bad input file or batch, 4 an output that cannot be written, 5 a non-finite step (said with
+// `non_finite_outcome`: what a runner that writes along the way kept differs from one that writes at the end),
+// 1 anything else (an internal error).
+inline int run_main(const char* runner, const std::function<int()>& run,
+                    const char* non_finite_outcome = "nothing was written") {
+  // A reader that closes the pipe of "step N" lines must not kill the run before what it writes is whole.
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     return run();
   } catch (const UsageError& error) {
@@ -411,7 +460,7 @@ inline int run_main(const char* runner, const std::function<int()>& run) {
     std::fprintf(stderr, "%s: error: %s\n", runner, error.what());
     return 4;
   } catch (const NonFiniteError& error) {
-    std::fprintf(stderr, "%s: error: %s; nothing was written\n", runner, error.what());
+    std::fprintf(stderr, "%s: error: %s; %s\n", runner, error.what(), non_finite_outcome);
     return 5;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "%s: error: %s\n", runner, error.what());
