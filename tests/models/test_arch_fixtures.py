@@ -3,7 +3,8 @@ tools/make_arch_fixtures.py): a checkpoint directory transformers saved and the 
 converter made of it, with transformers' and llama.cpp's logits on fixed tokens.
 
 Every architecture: checkpoint and GGUF give transformers' logits (1e-5), the GGUF follows llama.cpp's, MLX
-gives the same, merges round-trip, and MeSP's gradients equal autograd's.
+gives the same, merges round-trip, MeSP's (and mebp's) gradients equal autograd's, and MeZO's estimate is the
+derivative along its direction.
 
 Llama 3.x: its RoPE scaling reaches the GGUF only as `rope_freqs.weight`; the loader recovers the scaling
 from the factors and writes it back into a merged checkpoint or GGUF. Qwen3: head norms over q and k, a head
@@ -161,3 +162,27 @@ def test_factors_no_llama3_scaling_makes_are_refused_by_name(tmp_path):
     damaged.write_bytes(bytes(raw))
     with pytest.raises(GGUFError, match="'rope_freqs.weight' holds frequency factors .* that no Llama 3 RoPE"):
         edgetrain.load_model(damaged)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_mezo_estimates_the_derivative_along_its_direction(name):
+    """MeZO through each architecture (float64): its (L(theta + eps z) - L(theta - eps z)) / 2 eps is
+    autograd's gradient projected on the same z."""
+    from edgetrain.methods.mezo import Directions
+
+    model = edgetrain.load_model(FIXTURES / MANIFEST["models"][name]["checkpoint"]).double()
+    torch.manual_seed(0)
+    edgetrain.add_lora(model, rank=4)
+    random_lora_b(model, seed=1, scale=0.02)
+    model.double()
+    ids = torch.tensor([TOKENS[:41], TOKENS[50:91]])
+    batch = Batch(ids[:, :-1].clone(), ids[:, 1:].clone(), 0)
+    _, exact = METHODS.get("bp")(model).gradients(batch)
+    # The default step (the paper's 1e-3) is a secant within 1e-3; a small one is the derivative itself.
+    for epsilon, tolerance in ((None, 1e-3), (1e-6, 1e-7)):
+        method = METHODS.get("mezo")(model, **({} if epsilon is None else {"epsilon": epsilon}))
+        _, projected = method.projected_gradient(batch, 11)
+        directions = Directions(method.params, 11)
+        directional = sum(float((exact[name] * directions(name)).sum()) for name in method.params)
+        assert abs(directional) > 1e-3
+        assert projected == pytest.approx(directional, rel=tolerance), epsilon
