@@ -24,7 +24,8 @@ import torch
 
 import edgetrain
 import fault_tally
-from test_runner_attack import DAMAGE, _damage, _not_a_file, _snapshot
+from test_runner_attack import DAMAGE, _damage, _losses, _not_a_file, _run, _snapshot
+from test_runner_attack import _refused as mesp_refused
 
 pytest.importorskip("executorch.extension.training", reason="ExecuTorch not installed: pip install 'edgetrain[export]'")
 pytest.importorskip("sklearn", reason="the digits stream needs scikit-learn")
@@ -36,7 +37,6 @@ from edgetrain.export.native import RUNNER, build_runner  # noqa: E402
 CLASS = "native runner"
 STEPS = 5
 LR = 0.3
-TIMEOUT = 60  # a case that has not ended by then hangs (a FIFO read, a loop over a hostile count)
 NAME = "edgetrain_et_runner"
 
 
@@ -81,35 +81,9 @@ def decoder(tmp_path_factory):
     return program, write_batch_file(directory / "batches.bin", batches), batches
 
 
-def _run(runner, *args, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run([str(runner), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    except subprocess.TimeoutExpired:
-        fault_tally.record(CLASS, "unhandled")
-        raise AssertionError(f"the runner hangs on {args}") from None
-
-
-def _losses(output: str) -> list[float]:
-    return [float(line.split()[3]) for line in output.splitlines() if line.startswith("step ")]
-
-
-def _refused(result: subprocess.CompletedProcess, status: int, *words: str, before=None, directory=None,
-             steps_first: bool = False) -> None:
-    """The runner refused with `status` and one sentence holding `words`, before any step (unless
-    `steps_first`: a batch the program's kernels refuse comes after the steps before it), and `directory` is as
-    `before`."""
-    if result.returncode != status:
-        fault_tally.record(CLASS, "silently wrong" if result.returncode == 0 else "unhandled")
-        raise AssertionError(f"exit status {result.returncode}, not {status}: {result.stderr[-800:]}")
-    errors = [line for line in result.stderr.splitlines() if line.startswith(f"{NAME}:")]
-    if len(errors) != 1 or not all(word in errors[0] for word in words) or (_losses(result.stdout) and not steps_first):
-        fault_tally.record(CLASS, "silently wrong")
-        raise AssertionError(f"the refusal does not say {words} in one sentence, before any step: {errors}")
-    if before is not None and _snapshot(directory) != before:
-        fault_tally.record(CLASS, "silently wrong")
-        raise AssertionError(f"a refused run changed {directory}: {sorted(_snapshot(directory))}")
-    fault_tally.record(CLASS, "refused")
+def _refused(result: subprocess.CompletedProcess, status: int, *words: str, **options) -> None:
+    """The MeSP runner's refusal check (test_runner_attack._refused), for this runner's sentences."""
+    mesp_refused(result, status, *words, name=NAME, **options)
 
 
 @pytest.fixture(scope="module")

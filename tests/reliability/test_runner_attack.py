@@ -82,8 +82,8 @@ def _losses(output: str) -> list[float]:
     return [float(line.split()[3]) for line in output.splitlines() if line.startswith("step ")]
 
 
-def _errors(result: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("edgetrain_mesp_runner:")]
+def _errors(result: subprocess.CompletedProcess, name: str = "edgetrain_mesp_runner") -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith(f"{name}:")]
 
 
 def _snapshot(directory: Path) -> dict[str, bytes | str]:
@@ -93,13 +93,16 @@ def _snapshot(directory: Path) -> dict[str, bytes | str]:
             for p in sorted(directory.iterdir())}
 
 
-def _refused(result: subprocess.CompletedProcess, status: int, *words: str, before=None, directory=None) -> None:
-    """The runner refused with `status` and one sentence holding `words`, and `directory` is as `before`."""
+def _refused(result: subprocess.CompletedProcess, status: int, *words: str, before=None, directory=None,
+             name: str = "edgetrain_mesp_runner", steps_first: bool = False) -> None:
+    """The runner `name` refused with `status` and one sentence holding `words`, before any step (unless
+    `steps_first`: the ET runner's kernels refuse a batch after the steps before it), and `directory` is as
+    `before`."""
     if result.returncode != status:
         fault_tally.record(CLASS, "silently wrong" if result.returncode == 0 else "unhandled")
         raise AssertionError(f"exit status {result.returncode}, not {status}: {result.stderr[-800:]}")
-    errors = _errors(result)
-    if len(errors) != 1 or not all(word in errors[0] for word in words) or _losses(result.stdout):
+    errors = _errors(result, name)
+    if len(errors) != 1 or not all(word in errors[0] for word in words) or (_losses(result.stdout) and not steps_first):
         fault_tally.record(CLASS, "silently wrong")
         raise AssertionError(f"the refusal does not say {words} in one sentence, before any step: {errors}")
     if before is not None and _snapshot(directory) != before:
