@@ -14,7 +14,8 @@ ensure_venv() {
     # Reinstall only when the dependency list or the extras changed.
     local stamp=".venv/.edgetrain-installed"
     local want
-    want="$(cat pyproject.toml tools/constraints.txt | sha256sum | cut -c1-16)-$extras"
+    # The compiled tile kernel's source too: an editable install builds it once, so a change to it must reinstall.
+    want="$(cat pyproject.toml tools/constraints.txt edgetrain/models/*.c | sha256sum | cut -c1-16)-$extras"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         return 0
     fi

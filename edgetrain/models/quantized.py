@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgetrain.models import tile_kernel
 from edgetrain.registry import EdgetrainError
 
 GROUP_SIZE = 32
@@ -204,6 +205,8 @@ class PackedMatrix(nn.Module):
             dense = torch.empty(rows, self.cols, dtype=work, device=device)
         layout = self.layout
         low_bits, high_bits = layout.planes
+        if work == torch.float32 and self._dequantize_compiled(parts, dense):
+            return dense if wanted == work else dense.to(wanted)
         # Codes a plane at a time, straight into the floats: the high plane's contributions, with the zero
         # point folded in (small integers: exact), come from a 256-entry table (_plane_table), one gather.
         shifted = layout.zero_point is not None and high_bits > 0
@@ -242,6 +245,18 @@ class PackedMatrix(nn.Module):
             else:
                 grouped.mul_(scales.unsqueeze(-1)).add_(biases.unsqueeze(-1))
         return dense if wanted == work else dense.to(wanted)
+
+    def _dequantize_compiled(self, parts: "_Rows", dense: torch.Tensor) -> bool:
+        """Fill float32 `dense` in one pass of the compiled tile kernel (edgetrain.models.tile_kernel), in the
+        torch path's arithmetic; False where the kernel is not built or cannot take these rows."""
+        if not tile_kernel.available() or dense.device.type != "cpu":
+            return False
+        layout = self.layout
+        low_bits, high_bits = layout.planes
+        codebook = None if parts.codebook is None else parts.codebook.to(torch.float32)
+        return tile_kernel.dequantize_rows(dense, parts.codes, low_bits, parts.high_codes, high_bits, layout.group_size,
+                                           -(layout.zero_point or 0), parts.scales, parts.scale_steps, parts.biases,
+                                           parts.bias_steps, layout.subtracts_bias, codebook)
 
     def _group_values(self, stored: torch.Tensor, steps: torch.Tensor | None, work: torch.dtype) -> torch.Tensor:
         """One scale (or bias) a group: the stored values, or, with steps, each block's stored value times its
