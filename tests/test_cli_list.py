@@ -116,3 +116,11 @@ def test_list_gguf_says_what_each_path_holds_of_every_type(capsys):
     assert rows["Q4_K"].startswith("torch: packed") and "MLX: packed (4-bit" in rows["Q4_K"]
     refused = {GGML_TYPES[t][0] for t in GGML_TYPES if t not in DEQUANTIZERS}
     assert rows["others"] == f"every path: refused by name at load ({', '.join(sorted(refused))})"
+
+
+def test_list_gguf_says_which_dequantisation_a_cpu_tile_takes(capsys):
+    from edgetrain.models import tile_kernel
+
+    assert _listing(capsys, "gguf")["dequantising"] == f"torch on a CPU: {tile_kernel.status()}"
+    with tile_kernel.kernel_enabled(False):
+        assert "EDGETRAIN_TILE_KERNEL=off" in _listing(capsys, "gguf")["dequantising"]

@@ -1,5 +1,5 @@
-"""What a regular (non-editable) install of the wheel carries: the device profiles (package data), and
-nothing that only the tests use."""
+"""What a regular (non-editable) install of the wheel carries: the device profiles (package data), the
+compiled tile kernel, and nothing that only the tests use."""
 from __future__ import annotations
 
 import os
@@ -38,9 +38,12 @@ def test_an_installed_wheel_finds_every_device_target(tmp_path):
     result = run([str(prefix / "bin" / "python"), "-c",
                   "import edgetrain, edgetrain.targets as t; print(edgetrain.__file__); print(t.targets_directory()); "
                   "print(','.join(t.available_targets())); "
-                  "print(sum(t.load_target(n).memory_budget_mib > 0 for n in t.available_targets()))"],
+                  "print(sum(t.load_target(n).memory_budget_mib > 0 for n in t.available_targets())); "
+                  "from edgetrain.models import tile_kernel as k; print(k.available() and k._tile_kernel.__file__)"],
                  cwd=tmp_path, env={"PYTHONPATH": ":".join(dependencies), "PATH": "/usr/bin:/bin"})
-    module, directory, names, loaded = result.stdout.split()
+    module, directory, names, loaded, kernel = result.stdout.split()
+    # The packed matrices' tile kernel is compiled into the wheel (pyproject's ext-modules) and loads there.
+    assert Path(kernel).is_relative_to(prefix) and Path(kernel).name.startswith("_tile_kernel."), kernel
     assert Path(module).is_relative_to(prefix)  # the installed copy, not the checkout
     assert Path(directory).is_relative_to(prefix) and Path(directory).name == "profiles"
     assert names.split(",") == expected and int(loaded) == len(expected)

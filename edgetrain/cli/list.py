@@ -79,9 +79,11 @@ def _formats() -> list[tuple[str, str]]:
 def _gguf() -> list[tuple[str, str]]:
     """Each GGUF tensor type edgetrain reads, and what each path holds it as (docs/gguf.md has the memory)."""
     from edgetrain.cli.gguf_support import gguf_type_support
+    from edgetrain.models import tile_kernel
 
     return [(name, " | ".join(f"{path}: {how}" for path, how in paths.items()))
-            for name, paths in gguf_type_support().items()]
+            for name, paths in gguf_type_support().items()] + [
+        ("dequantising", f"torch on a CPU: {tile_kernel.status()}")]
 
 
 # what -> the rows it lists

@@ -21,8 +21,11 @@ for a float64 model), so a GGUF's weights come out exactly as ggml computes them
 The dense weight exists only while one layer computes with it: the forward dequantises, multiplies and
 drops it; the backward (the weight is frozen, so only dL/dx = dL/dy W is needed) dequantises it again
 rather than keeping it from the forward. A matrix is dequantised in tiles of rows into a reused scratch
-buffer (tile_elements: small on a CPU, for its cache; larger on a GPU, for fewer kernel launches). `mesp` takes the same tiles (PackedMatrix.scratch_tiles) in its forward, recompute
-and backward, and reads the head a vocabulary tile at a time.
+buffer (tile_elements: small on a CPU, for its cache; larger on a GPU, for fewer kernel launches). `mesp`
+takes the same tiles (PackedMatrix.scratch_tiles) in its forward, recompute and backward, and reads the head a
+vocabulary tile at a time. On a CPU a float32 tile is dequantised by a compiled kernel in one pass over each
+row (edgetrain.models.tile_kernel, built at install), else by torch kernels a plane and a scaling at a time:
+the same numbers either way.
 Gradients equal autograd through the dequantised weights (tests/models/test_quantized.py).
 """
 from __future__ import annotations
@@ -50,13 +53,20 @@ TILE_ELEMENTS = 1 << 18
 # On a GPU the kernel launches, not the cache, set the cost: a 1 MiB tile is a few microseconds of work
 # behind about ten launches, so tiles there are 16x larger (16 MiB of float32).
 ACCELERATOR_TILE_ELEMENTS = 1 << 22
+# With the compiled tile kernel (edgetrain.models.tile_kernel) a tile costs a fifth of the torch kernels'
+# passes, and the work around each tile (slicing its rows, a product launch) is what is left: tiles twice as
+# large (2 MiB of float32, a core's L2 here) made a SmolLM2 mesp step 11% faster, larger ones no faster
+# (one thread, in-process A/B, 2026-12-07).
+KERNEL_TILE_ELEMENTS = 1 << 19
 _SCRATCH = threading.local()
 
 
 def tile_elements(device: torch.device | str) -> int:
-    """Entries in one dequantised tile on `device`: TILE_ELEMENTS on a CPU, ACCELERATOR_TILE_ELEMENTS
-    elsewhere."""
-    return TILE_ELEMENTS if torch.device(device).type == "cpu" else ACCELERATOR_TILE_ELEMENTS
+    """Entries in one dequantised tile on `device`: on a CPU TILE_ELEMENTS, or KERNEL_TILE_ELEMENTS where the
+    compiled tile kernel runs; ACCELERATOR_TILE_ELEMENTS elsewhere."""
+    if torch.device(device).type != "cpu":
+        return ACCELERATOR_TILE_ELEMENTS
+    return KERNEL_TILE_ELEMENTS if tile_kernel.available() else TILE_ELEMENTS
 
 
 def _scratch(kind: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -115,7 +115,8 @@ def test_k_quant_tiles_give_the_whole_products_gradient_and_rows(monkeypatch):
         whole = layer(x)
         (whole_grad,) = torch.autograd.grad(whole.square().sum(), x)
         with monkeypatch.context() as patch:
-            patch.setattr(quantized, "TILE_ELEMENTS", layer.in_features * 7)  # 7 rows a tile, the last short
+            for constant in ("TILE_ELEMENTS", "KERNEL_TILE_ELEMENTS"):  # 7 rows a tile, the last short
+                patch.setattr(quantized, constant, layer.in_features * 7)
             tiled = layer(x)
             (tiled_grad,) = torch.autograd.grad(tiled.square().sum(), x)
         torch.testing.assert_close(tiled, whole, rtol=1e-12, atol=1e-12)

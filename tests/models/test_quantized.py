@@ -205,7 +205,8 @@ def test_large_matrices_are_dequantised_in_tiles_with_the_same_product_gradient_
     _, whole_jvp = torch.func.jvp(layer, (x.detach(),), (tangent,))
     seen = []
     original = quantized.PackedMatrix.dequantize_rows
-    monkeypatch.setattr(quantized, "TILE_ELEMENTS", 64 * 7)  # 7 rows a tile: 6 tiles, the last short
+    for constant in ("TILE_ELEMENTS", "KERNEL_TILE_ELEMENTS"):  # 7 rows a tile: 6 tiles, the last short
+        monkeypatch.setattr(quantized, constant, 64 * 7)
     monkeypatch.setattr(quantized.PackedMatrix, "dequantize_rows",
                         lambda self, start, stop, *a, **k: seen.append(stop - start) or original(self, start, stop, *a, **k))
     tiled = layer(x)
@@ -217,12 +218,18 @@ def test_large_matrices_are_dequantised_in_tiles_with_the_same_product_gradient_
 
 
 def test_a_gpu_dequantises_in_larger_tiles_than_a_cpu():
-    """A CPU's tiles fit its cache; another device's are 16x larger (fewer kernel launches). The meta
-    device stands in for a GPU here (tests/test_cuda.py checks a real one)."""
+    """A CPU's tiles fit its cache (twice as large with the compiled tile kernel, whose tiles cost less than
+    the work around them); another device's are 16x larger (fewer kernel launches). The meta device stands in
+    for a GPU here (tests/test_cuda.py checks a real one)."""
+    from edgetrain.models import tile_kernel
+
     layer = QuantizedLinear.from_dense(torch.randn(2048, 1024), 4)
-    assert quantized.tile_elements("cpu") == quantized.TILE_ELEMENTS
+    assert quantized.tile_elements("cpu") == quantized.KERNEL_TILE_ELEMENTS == 2 * quantized.TILE_ELEMENTS
+    assert [stop - start for start, stop, _ in layer.scratch_tiles()] == [512] * 4
+    with tile_kernel.kernel_enabled(False):
+        assert quantized.tile_elements("cpu") == quantized.TILE_ELEMENTS
+        assert [stop - start for start, stop, _ in layer.scratch_tiles()] == [256] * 8
     assert quantized.tile_elements("cuda") == quantized.ACCELERATOR_TILE_ELEMENTS == 16 * quantized.TILE_ELEMENTS
-    assert [stop - start for start, stop, _ in layer.scratch_tiles()] == [256] * 8
     assert [stop - start for start, stop, _ in layer.scratch_tiles(device="meta")] == [2048]
 
 
@@ -308,7 +315,8 @@ def test_mesp_dequantises_projections_and_the_head_in_tiles_with_autograds_gradi
     monkeypatch.setattr(PackedMatrix, "dequantize_rows",
                         lambda self, start, stop, *a, **k: tiles.append((self.rows, (stop - start) * self.cols))
                         or original(self, start, stop, *a, **k))
-    monkeypatch.setattr(quantized, "TILE_ELEMENTS", 128 * 47)
+    for constant in ("TILE_ELEMENTS", "KERNEL_TILE_ELEMENTS"):
+        monkeypatch.setattr(quantized, constant, 128 * 47)
     monkeypatch.setattr(mesp_loss, "QUANTIZED_HEAD_VOCAB_CHUNK", 100)
     loss, grads = METHODS.get("mesp")(model).gradients(batch)
     reference_loss, reference = METHODS.get("bp")(dense).gradients(batch)
