@@ -13,15 +13,18 @@ Arms, each a fresh process, in edgetrain.profiler.bench's protocol (rounds in al
 
   .venv/bin/python tools/bench_gguf_types.py smollm2-135m smollm2-q4_k_m.gguf     # Q4_1 as downloaded, and
                                                               # the Q4_K_M tools/requantize_gguf.py makes of it
+  --torch-kernels: each file's step also with torch's dequantisation instead of the compiled tile kernel
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from edgetrain.models import tile_kernel
 from edgetrain.profiler.bench import Arm, measure_interleaved, summarise
 from edgetrain.profiler.command_peak import peak_rss_of_command
 from edgetrain.profiler.config import ProfileConfig
@@ -31,12 +34,22 @@ MIB = 2**20
 STEP_METRICS = ("step_seconds", "floor_ratio", "footprint_bytes", "weights_bytes")
 
 
-def _step_arm(name: str, model: str, args: argparse.Namespace) -> Arm:
+def _step_arm(name: str, model: str, args: argparse.Namespace, torch_kernels: bool = False) -> Arm:
+    """`torch_kernels`: the worker dequantises with torch's kernels, not the compiled tile kernel."""
     config = ProfileConfig(method="mesp", model=model, seq=args.seq, batch=args.batch, rank=8, steps=args.steps,
                            warmup=args.warmup, fidelity=False)
 
     def run() -> dict[str, float | None]:
-        record = run_isolated(config)
+        saved = os.environ.get(tile_kernel.ENVIRONMENT_SWITCH)
+        if torch_kernels:
+            os.environ[tile_kernel.ENVIRONMENT_SWITCH] = "off"  # the worker process reads it
+        try:
+            record = run_isolated(config)
+        finally:
+            if saved is None:
+                os.environ.pop(tile_kernel.ENVIRONMENT_SWITCH, None)
+            else:
+                os.environ[tile_kernel.ENVIRONMENT_SWITCH] = saved
         return {metric: record.get(metric) for metric in STEP_METRICS}
     return Arm(name, run)
 
@@ -50,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-user-paths", action="store_true", help="the mesp steps only")
+    parser.add_argument("--torch-kernels", action="store_true",
+                        help="also each file's mesp step dequantised by torch's kernels (EDGETRAIN_TILE_KERNEL=off)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from user_path_peaks import IMPORT_FLOOR, commands, write_text
@@ -59,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         directory = Path(scratch)
         text = write_text(directory)
         arms = [_step_arm(f"mesp, {label}", model, args) for label, model in zip(labels, args.models)]
+        step_rows = list(labels)
+        if args.torch_kernels:
+            step_rows += [f"{label} (torch kernels)" for label in labels]
+            arms += [_step_arm(f"mesp, {label} (torch kernels)", model, args, torch_kernels=True)
+                     for label, model in zip(labels, args.models)]
         paths: list[str] = []
         if not args.no_user_paths:
             arms.append(Arm(IMPORT_FLOOR, lambda: {"peak": peak_rss_of_command([])}))
@@ -71,13 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = labels[0]
     print(f"\nmesp, seq {args.seq} x batch {args.batch}, LoRA r8, {args.steps} steps after {args.warmup}; median of "
           f"{args.repeats}; ratios to {first}")
-    print(f"{'file':<34}{'s/step':>9}{'ratio':>8}{'s/floor':>9}{'weights MiB':>13}{'footprint MiB':>15}{'ratio':>8}")
+    print(f"dequantising: {tile_kernel.status()} (the rows marked torch kernels: {tile_kernel.ENVIRONMENT_SWITCH}=off)")
+    print(f"{'file':<50}{'s/step':>9}{'ratio':>8}{'s/floor':>9}{'weights MiB':>13}{'footprint MiB':>15}{'ratio':>8}")
     base = summaries[f"mesp, {first}"]
-    for label in labels:
+    for label in step_rows:
         row = summaries[f"mesp, {label}"]
         step, floor_ratio = row["step_seconds"].median, row["floor_ratio"].median
         footprint, weights = row["footprint_bytes"].median, row["weights_bytes"].median
-        print(f"{label:<34}{step:>9.3f}{step / base['step_seconds'].median:>7.2f}x{floor_ratio:>8.2f}x"
+        print(f"{label:<50}{step:>9.3f}{step / base['step_seconds'].median:>7.2f}x{floor_ratio:>8.2f}x"
               f"{weights / MIB:>13.1f}{footprint / MIB:>15.0f}{footprint / base['footprint_bytes'].median:>7.2f}x")
     if paths:
         floor = summaries[IMPORT_FLOOR]["peak"].median
