@@ -37,7 +37,7 @@ STEP_METRICS = ("step_seconds", "floor_ratio", "footprint_bytes", "weights_bytes
 def _step_arm(name: str, model: str, args: argparse.Namespace, torch_kernels: bool = False) -> Arm:
     """`torch_kernels`: the worker dequantises with torch's kernels, not the compiled tile kernel."""
     config = ProfileConfig(method="mesp", model=model, seq=args.seq, batch=args.batch, rank=8, steps=args.steps,
-                           warmup=args.warmup, fidelity=False)
+                           warmup=args.warmup, fidelity=False, threads=args.threads)
 
     def run() -> dict[str, float | None]:
         saved = os.environ.get(tile_kernel.ENVIRONMENT_SWITCH)
@@ -63,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-user-paths", action="store_true", help="the mesp steps only")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the steps' intra-op threads (default: torch's own count, as a user's run)")
     parser.add_argument("--torch-kernels", action="store_true",
                         help="also each file's mesp step dequantised by torch's kernels (EDGETRAIN_TILE_KERNEL=off)")
     args = parser.parse_args(argv)
@@ -89,8 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         samples = measure_interleaved(arms, repeats=args.repeats, warmup=0, description="bench_gguf_types")
     summaries = {name: summarise(taken) for name, taken in samples.items()}
     first = labels[0]
-    print(f"\nmesp, seq {args.seq} x batch {args.batch}, LoRA r8, {args.steps} steps after {args.warmup}; median of "
-          f"{args.repeats}; ratios to {first}")
+    threads = "torch's own thread count" if args.threads is None else f"{args.threads} thread(s)"
+    print(f"\nmesp, seq {args.seq} x batch {args.batch}, LoRA r8, {args.steps} steps after {args.warmup}, {threads}; "
+          f"median of {args.repeats}; ratios to {first}")
     print(f"dequantising: {tile_kernel.status()} (the rows marked torch kernels: {tile_kernel.ENVIRONMENT_SWITCH}=off)")
     print(f"{'file':<50}{'s/step':>9}{'ratio':>8}{'s/floor':>9}{'weights MiB':>13}{'footprint MiB':>15}{'ratio':>8}")
     base = summaries[f"mesp, {first}"]
