@@ -43,16 +43,29 @@ class MatrixFormat:
     The export stores packed codes as int8, since XNNPACK converts int8 to float (as a dequantisation with
     scale 1, edgetrain/export/executorch.py) where ExecuTorch's own conversion goes one element at a time:
     - 8 bits (`signed`): q - 128.
-    - 4 bits, `row_halves` (rows even): int8 [rows/2, cols], byte (r, c) holds row r's column c in its low
-      nibble and row r + rows/2's, plus 8 modulo 16, in its high one (pack_row_halves). Read as a signed
-      byte b, floor(b / 16) is then the high row's q - 8 and b - 16 floor(b / 16) the low row's q: a tile of
-      rows from either half is a few float operations XNNPACK runs. Integer masks would run on ExecuTorch's
-      portable kernels, about 1 ns a byte (a sixth of a block forward's time).
+    - at most 4 bits (Q4_0, Q4_1, Q4_K; Q3_K and Q2_K take a nibble too), `row_halves` (rows even): int8
+      [rows/2, cols], byte (r, c) holds row r's column c in its low nibble and row r + rows/2's, plus 8 modulo
+      16, in its high one (pack_row_halves). Read as a signed byte b, floor(b / 16) is then the high row's q - 8
+      and b - 16 floor(b / 16) the low row's q: a tile of rows from either half is a few float operations
+      XNNPACK runs. Integer masks would run on ExecuTorch's portable kernels, about 1 ns a byte (a sixth of a
+      block forward's time).
+    - 5 or 6 bits (Q5_0, Q5_1, Q5_K, Q6_K), `row_quarters` (rows a multiple of 4): int8 [3 rows/4, cols], three
+      bytes for every four codes. With R = rows/4 and k = 8 - bits (3 or 2), byte (p R + i, c), p = 0, 1, 2,
+      holds row p R + i's code, xor its top bit, in its top `bits` bits, and bits [k p, k (p + 1)) of row
+      3 R + i's code in its low k bits (pack_row_quarters). Read as a signed byte b, floor(b / 2^k) is then the
+      whole row's q - 2^(bits - 1) (three quarters of the rows: one conversion, a multiply and a floor, like a
+      nibble, and a symmetric format's zero point of 2^(bits - 1) cancels), and b - 2^k floor(b / 2^k) a part
+      of the last quarter's q, which two (5 bits) or three (6 bits) such parts add up to. A tile stays within
+      one quarter. A code takes 6 bits where a byte a code took 8. A 5-bit layout for 5-bit codes (their low bits
+      in row halves, a plane of high bits) took about twice the float operations a row and cost SmolLM2's runner
+      10% more step time, row quarters 4% (docs/export.md).
+    - `code_offset`: the row_halves and row_quarters codes of _common_matrices' narrow format hold
+      q + code_offset (its codes are signed; those layouts' are not).
     - 4 bits, odd rows: uint8 as loaded (byte i of a row holds columns 2i and 2i + 1), unpacked by a
       per-element concatenation; rare (every GGUF matrix has even rows), and slow.
-    - 2, 3, 5 or 6 bits (`wide`: Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K): int8 [rows, cols], a code a byte, less
-      the zero point of a symmetric format: the file's bit planes would cost float operations per plane in
-      the graph, a byte a code costs one conversion.
+    - `wide`: int8 [rows, cols], a code a byte, less the zero point of a symmetric format: codes of 2, 3, 5 or 6
+      bits whose rows do not split as above, and the common format of a projection some of whose blocks hold
+      8-bit codes.
     With `block_values` (the k-quants), a group's scale is the block's stored scale (f16, one per
     `block_values` columns) times the group's integer step (`scale_steps`, int8), and likewise its bias
     (`bias_steps`; `subtracts_bias`: w = scale q - bias, ggml's minimum), as edgetrain.models.quantized
@@ -70,6 +83,13 @@ class MatrixFormat:
     wide: bool = False
     block_values: int = 0  # > 0: stored scales (and biases) a block of this many columns, times group steps
     subtracts_bias: bool = False
+    row_quarters: bool = False
+    code_offset: int = 0
+
+    @property
+    def last_quarter_parts(self) -> int:
+        """Bytes whose low bits hold a last-quarter row's code in row_quarters: 2 for 5 bits, 3 for 6."""
+        return -(-self.bits // (8 - self.bits))
 
     @property
     def packed(self) -> bool:
@@ -89,7 +109,8 @@ class MatrixFormat:
     def to_json(self) -> dict:
         return {"rows": self.rows, "cols": self.cols, "bits": self.bits, "group_size": self.group_size,
                 "zero_point": self.zero_point, "row_halves": self.row_halves, "signed": self.signed,
-                "wide": self.wide, "block_values": self.block_values, "subtracts_bias": self.subtracts_bias}
+                "wide": self.wide, "block_values": self.block_values, "subtracts_bias": self.subtracts_bias,
+                "row_quarters": self.row_quarters, "code_offset": self.code_offset}
 
 
 # What a signed 8-bit code is short of its q (MatrixFormat.signed).
@@ -99,15 +120,31 @@ HIGH_NIBBLE_SHIFT = 8
 
 
 def pack_row_halves(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [rows, cols/2] as loaded (byte i: columns 2i, 2i + 1) -> int8 [rows/2, cols] in the
-    row_halves layout (MatrixFormat). rows must be even."""
+    """Codes of at most 4 bits, uint8 [rows, cols] -> int8 [rows/2, cols] in the row_halves layout
+    (MatrixFormat). rows must be even."""
     rows = codes.shape[0]
     if rows % 2:
         raise ValueError(f"the row_halves layout needs an even number of rows, not {rows}")
-    integers = torch.stack([torch.bitwise_and(codes, 15), torch.bitwise_right_shift(codes, 4)], dim=-1)
-    integers = integers.reshape(rows, -1)
-    high = torch.bitwise_xor(integers[rows // 2:], HIGH_NIBBLE_SHIFT)  # read back signed: 16 (q - 8) + low
-    return torch.bitwise_or(integers[:rows // 2], torch.bitwise_left_shift(high, 4)).view(torch.int8)
+    high = torch.bitwise_xor(codes[rows // 2:], HIGH_NIBBLE_SHIFT)  # read back signed: 16 (q - 8) + low
+    return torch.bitwise_or(codes[:rows // 2], torch.bitwise_left_shift(high, 4)).view(torch.int8)
+
+
+def pack_row_quarters(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of 5 or 6 bits, uint8 [rows, cols] -> int8 [3 rows/4, cols] in the row_quarters layout
+    (MatrixFormat). rows must be a multiple of 4."""
+    rows = codes.shape[0]
+    if rows % 4 or bits not in (5, 6):
+        raise ValueError(f"the row_quarters layout takes 5- or 6-bit codes in rows of a multiple of 4, not "
+                         f"{bits}-bit codes in {rows}")
+    quarter, low_bits = rows // 4, 8 - bits
+    last = codes[3 * quarter:]
+    parts = []
+    for part in range(3):
+        # xor the top bit: read back signed, the top bits are q - 2^(bits - 1).
+        whole = torch.bitwise_xor(codes[part * quarter:(part + 1) * quarter], 2 ** (bits - 1))
+        piece = torch.bitwise_and(torch.bitwise_right_shift(last, low_bits * part), 2 ** low_bits - 1)
+        parts.append(torch.bitwise_or(torch.bitwise_left_shift(whole, low_bits), piece))
+    return torch.cat(parts).view(torch.int8)
 
 
 def sign_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -124,6 +161,22 @@ def _low_nibbles(bytes_as_floats: torch.Tensor, high_nibbles: torch.Tensor | Non
     """b - 16 floor(b / 16): q of the row in a row_halves byte's low nibble (floor(b / 16) given, or computed)."""
     high = _high_nibbles(bytes_as_floats) if high_nibbles is None else high_nibbles
     return bytes_as_floats - high * 16.0
+
+
+def _whole_codes(bytes_as_floats: torch.Tensor, bits: int) -> torch.Tensor:
+    """floor(b / 2^(8 - bits)): q - 2^(bits - 1) of the row whose code a row_quarters byte holds whole."""
+    return torch.floor(bytes_as_floats * 2.0 ** (bits - 8))
+
+
+def _last_quarter_codes(parts_as_floats: list[torch.Tensor], bits: int) -> torch.Tensor:
+    """q of last-quarter rows from their row_quarters bytes b_p (p = 0, 1 (, 2)): the sum of
+    2^(k p) (b_p - 2^k floor(b_p / 2^k)), k = 8 - bits."""
+    low_bits = 8 - bits
+    codes = None
+    for part, bytes_as_floats in enumerate(parts_as_floats):
+        piece = bytes_as_floats - _whole_codes(bytes_as_floats, bits) * float(2 ** low_bits)
+        codes = piece if codes is None else codes + piece * float(2 ** (low_bits * part))
+    return codes
 
 
 class GraphPackedMatrix:
@@ -181,21 +234,45 @@ class GraphPackedMatrix:
             return torch.stack([low, high], dim=-1).reshape(codes.shape[0], self.cols).to(torch.float32), 0
         return codes.to(torch.float32), SIGNED_CODE_SHIFT if self.format.signed else 0
 
+    def _tile_bounds(self) -> list[int]:
+        """The row indices a tile may not straddle, the last the end: each half of a row_halves layout (a tile
+        reads one nibble), each quarter of a row_quarters one."""
+        parts = 2 if self.format.row_halves else 4 if self.format.row_quarters else 1
+        return [self.rows * part // parts for part in range(1, parts + 1)]
+
+    def _quarter_tile(self, start: int, stop: int) -> torch.Tensor:
+        """Dense rows [start, stop) of a row_quarters layout, within one quarter."""
+        quarter, bits, offset = self.rows // 4, self.format.bits, self.format.code_offset
+        if stop <= 3 * quarter:
+            integers = _whole_codes(self.codes[start:stop].to(torch.float32), bits)
+            return self._dense(integers, 2 ** (bits - 1) - offset, slice(start, stop))
+        first, last = start - 3 * quarter, stop - 3 * quarter
+        parts = [self.codes[part * quarter + first:part * quarter + last].to(torch.float32)
+                 for part in range(self.format.last_quarter_parts)]
+        return self._dense(_last_quarter_codes(parts, bits), -offset, slice(start, stop))
+
     def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None, device: object = None,
                         scratch: bool = False) -> torch.Tensor:
-        rows = slice(start, stop)
-        if not self.format.row_halves:
-            return self._dense(*self._integers(self.codes[start:stop]), rows)
-        half = self.rows // 2
-        if start < half < stop:  # scratch_tiles never asks for this; a caller cutting its own tiles may
-            return torch.cat([self.dequantize_rows(start, half), self.dequantize_rows(half, stop)])
+        if not (self.format.row_halves or self.format.row_quarters):
+            return self._dense(*self._integers(self.codes[start:stop]), slice(start, stop))
+        # scratch_tiles never straddles a bound; a caller cutting its own tiles (the head's vocabulary tiles) may.
+        cuts = [start] + [bound for bound in self._tile_bounds() if start < bound < stop] + [stop]
+        tile = self._quarter_tile if self.format.row_quarters else self._half_tile
+        pieces = [tile(begin, end) for begin, end in zip(cuts, cuts[1:])]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _half_tile(self, start: int, stop: int) -> torch.Tensor:
+        """Dense rows [start, stop) of a row_halves layout, within one half."""
+        half, offset = self.rows // 2, self.format.code_offset
         if stop <= half:
-            return self._dense(_low_nibbles(self.codes[start:stop].to(torch.float32)), 0, rows)
-        return self._dense(_high_nibbles(self.codes[start - half:stop - half].to(torch.float32)), HIGH_NIBBLE_SHIFT,
-                           rows)
+            return self._dense(_low_nibbles(self.codes[start:stop].to(torch.float32)), -offset, slice(start, stop))
+        return self._dense(_high_nibbles(self.codes[start - half:stop - half].to(torch.float32)),
+                           HIGH_NIBBLE_SHIFT - offset, slice(start, stop))
 
     def dequantize_gathered(self, indices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         flat = indices.reshape(-1)
+        if self.format.row_quarters:
+            return self._gathered_quarters(flat).view(*indices.shape, self.cols)
         if not self.format.row_halves:
             dense = self._dense(*self._integers(self.codes[flat]), flat)
             return dense.view(*indices.shape, self.cols)
@@ -204,7 +281,19 @@ class GraphPackedMatrix:
         bytes_as_floats = self.codes[torch.where(upper, flat - half, flat)].to(torch.float32)
         high = _high_nibbles(bytes_as_floats)
         integers = torch.where(upper.unsqueeze(-1), high + HIGH_NIBBLE_SHIFT, _low_nibbles(bytes_as_floats, high))
-        return self._dense(integers, 0, flat).view(*indices.shape, self.cols)
+        return self._dense(integers, -self.format.code_offset, flat).view(*indices.shape, self.cols)
+
+    def _gathered_quarters(self, flat: torch.Tensor) -> torch.Tensor:
+        """Dense rows `flat` of a row_quarters layout: a whole row's byte is the row itself; a last-quarter row
+        i reads bytes i, R + i (and 2 R + i), R = rows/4."""
+        quarter, bits = self.rows // 4, self.format.bits
+        last = flat >= 3 * quarter
+        within = torch.where(last, flat - 3 * quarter, flat)
+        parts = [self.codes[torch.where(last, within + part * quarter, flat)].to(torch.float32)
+                 for part in range(self.format.last_quarter_parts)]
+        whole = _whole_codes(parts[0], bits) + float(2 ** (bits - 1))
+        integers = torch.where(last.unsqueeze(-1), _last_quarter_codes(parts, bits), whole)
+        return self._dense(integers, -self.format.code_offset, flat)
 
     def tiled_product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T a tile of rows at a time, the tiles' products side by side: one concatenation (XNNPACK's) where
@@ -214,12 +303,11 @@ class GraphPackedMatrix:
 
     def scratch_tiles(self, dtype: torch.dtype | None = None, device: object = None,
                       rows_per_tile: int | None = None) -> Iterator[tuple[int, int, torch.Tensor]]:
-        # Tiles as the eager path cuts them: the memory planner then holds one dense tile at a time.
+        # Tiles as the eager path cuts them: the memory planner then holds one dense tile at a time. A tile of
+        # row_halves stays within one half (one nibble), of row_quarters within one quarter.
         step = rows_per_tile or max(1, TILE_ELEMENTS // self.cols)
-        # In the row_halves layout a tile stays within one half (one nibble).
-        ends = (self.rows // 2, self.rows) if self.format.row_halves else (self.rows,)
         begin = 0
-        for end in ends:
+        for end in self._tile_bounds():
             for start in range(begin, end, step):
                 stop = min(start + step, end)
                 yield start, stop, self.dequantize_rows(start, stop)

@@ -27,7 +27,7 @@ import math
 import warnings
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch import nn
 from edgetrain.data.batch import Batch
 from edgetrain.export.mesp_graph import (ADAMW_SCALARS, AdamWPiece, BlockBackwardPiece, BlockForwardPiece,
                                          BlockLayout, EmbedPiece, HeadPiece, MatrixFormat, ProjectionLayout,
-                                         pack_row_halves, sign_codes)
+                                         pack_row_halves, pack_row_quarters, sign_codes)
 from edgetrain.export.trainable import ExportError
 from edgetrain.export.weights_file import WeightsFile, WeightsFileError, weights_file_bytes, write_weights_file
 from edgetrain.files.atomic import atomic_write_bytes, ensure_writable_target
@@ -55,9 +55,10 @@ from edgetrain.utils.logs import get_logger
 
 log = get_logger(__name__)
 
-# 2: 4-bit codes in the int8 row_halves layout; 3: 8-bit codes signed; 4: wide codes and k-quant steps
-# (mesp_graph.MatrixFormat)
-FORMAT_VERSION = 4
+# 2: 4-bit codes in the int8 row_halves layout; 3: 8-bit codes signed; 4: wide codes and k-quant steps; 5: codes
+# of 2 and 3 bits in row_halves, of 5 and 6 bits in row_quarters, the common format's codes in as few bits as
+# they need (mesp_graph.MatrixFormat)
+FORMAT_VERSION = 5
 METHODS = ("embed", "block_forward", "block_backward", "head", "adamw")
 
 
@@ -99,43 +100,60 @@ def _matrix(module: nn.Module | PackedMatrix | torch.Tensor) -> tuple[MatrixForm
     if isinstance(module, PackedMatrix) and not program_reads(module.layout):
         return _dense(module)
     if isinstance(module, PackedMatrix):
-        # Codes go in as int8 (MatrixFormat): 8-bit ones signed, 4-bit ones in the row_halves layout whenever
-        # the rows split evenly, others a code a byte less their zero point (wide).
         layout = module.layout
-        row_halves = module.bits == 4 and module.rows % 2 == 0
-        signed = module.bits == 8
-        wide = module.bits not in (4, 8)
-        if wide:
-            codes = (module.unpacked_codes().to(torch.int16) - (layout.zero_point or 0)).to(torch.int8)
+        if module.bits == 8:
+            matrix_format, codes = MatrixFormat(module.rows, module.cols, 8, signed=True), sign_codes(module.codes)
+        elif module.bits == 4 and module.rows % 2:  # no row_halves: the codes as loaded (MatrixFormat)
+            matrix_format, codes = MatrixFormat(module.rows, module.cols, 4), module.codes
         else:
-            codes = pack_row_halves(module.codes) if row_halves else sign_codes(module.codes) if signed else module.codes
+            matrix_format, codes = _narrow_codes(module.unpacked_codes(), module.bits, layout.zero_point or 0)
         parts = [codes, module.scales] + ([module.scale_steps] if layout.steps else [])
         if module.biases is not None:
             parts += [module.biases] + ([module.bias_steps] if layout.steps else [])
-        matrix_format = MatrixFormat(module.rows, module.cols, module.bits, module.group_size, module.zero_point,
-                                     row_halves, signed, wide, layout.block_values if layout.steps else 0,
-                                     layout.subtracts_bias)
+        matrix_format = replace(matrix_format, group_size=module.group_size, zero_point=module.zero_point,
+                                block_values=layout.block_values if layout.steps else 0,
+                                subtracts_bias=layout.subtracts_bias)
         return matrix_format, [part.detach() for part in parts]
     return MatrixFormat(*module.weight.shape), [module.weight.detach().to(torch.float32)]
 
 
-# The common format's grid: the smallest block of any GGUF format, and its smallest group.
-COMMON_BLOCK, COMMON_GROUPS = 32, (16, 32)
+def _narrow_codes(codes: torch.Tensor, bits: int, wide_shift: int) -> tuple[MatrixFormat, torch.Tensor]:
+    """The layout (rows and cols set, the rest MatrixFormat's defaults) and code tensor of codes of at most 6
+    bits, uint8 [rows, cols]: row_halves up to 4 bits (rows even), row_quarters for 5 and 6 (rows a multiple of
+    4); otherwise wide, a code a byte less `wide_shift` (a symmetric format's zero point, or the common
+    format's code offset)."""
+    rows, cols = codes.shape
+    if bits <= 4 and rows % 2 == 0:
+        return MatrixFormat(rows, cols, bits, row_halves=True), pack_row_halves(codes)
+    if bits > 4 and rows % 4 == 0:
+        return MatrixFormat(rows, cols, bits, row_quarters=True), pack_row_quarters(codes, bits)
+    return MatrixFormat(rows, cols, bits, wide=True), (codes.to(torch.int16) - wide_shift).to(torch.int8)
 
 
 def _common_matrices(modules: list[PackedMatrix]) -> list[tuple[MatrixFormat, list[torch.Tensor]]]:
     """Matrices of one projection held in different affine formats, in one format that holds each exactly:
-    a code a byte (less its zero point), an f16 scale and bias every 32 columns (a k-quant's repeated), and
-    an integer step a group for each (1 where a format has none; a subtracted minimum as a negative step, a
-    symmetric format's bias 0). w = c (d s) + (m t), as each format's own arithmetic up to the sign of a zero."""
-    group = min(m.group_size for m in modules)
+    a code c (q less its zero point), an f16 scale and bias a block (the formats' smallest; a larger block's
+    repeated), and an integer step a group for each (1 where a format has none; a subtracted minimum as a
+    negative step, a symmetric format's bias 0). w = c (d s) + (m t), as each format's own arithmetic up to the
+    sign of a zero. Codes that fit in 6 bits, made non-negative by the code offset (Q4_K's and Q6_K's: 0 to 15
+    and -32 to 31), go in the narrow layouts (_narrow_codes); others (with an 8-bit format) a code a byte."""
+    group = math.gcd(*(m.group_size for m in modules))
+    block = math.gcd(*(m.layout.scale_columns for m in modules))
+    lowest = min(-(m.layout.zero_point or 0) for m in modules)
+    highest = max(2 ** m.bits - 1 - (m.layout.zero_point or 0) for m in modules)
+    bits = (highest - lowest).bit_length()
     matrices = []
     for module in modules:
         layout = module.layout
         rows, cols = module.rows, module.cols
-        per_scale = layout.scale_columns // COMMON_BLOCK
+        per_scale = layout.scale_columns // block
         per_group = module.group_size // group
-        codes = (module.unpacked_codes().to(torch.int16) - (layout.zero_point or 0)).to(torch.int8)
+        codes = module.unpacked_codes().to(torch.int16) - (layout.zero_point or 0)
+        if bits <= 6:
+            matrix_format, narrow = _narrow_codes((codes - lowest).to(torch.uint8), bits, -lowest)
+            matrix_format = replace(matrix_format, code_offset=0 if matrix_format.wide else -lowest)
+        else:
+            matrix_format, narrow = MatrixFormat(rows, cols, 8, wide=True), codes.to(torch.int8)
         scales = module.scales.to(torch.float32).repeat_interleave(per_scale, dim=1)
         ones = torch.ones(rows, cols // module.group_size, dtype=torch.int8)
         scale_steps = (module.scale_steps if layout.steps else ones).repeat_interleave(per_group, dim=1)
@@ -146,10 +164,10 @@ def _common_matrices(modules: list[PackedMatrix]) -> list[tuple[MatrixFormat, li
             biases = module.biases.to(torch.float32).repeat_interleave(per_scale, dim=1)
             steps = module.bias_steps.to(torch.int8) if layout.steps else ones
             bias_steps = (-steps if layout.subtracts_bias else steps).repeat_interleave(per_group, dim=1)
-        matrix_format = MatrixFormat(rows, cols, 8, group, None, False, False, True, COMMON_BLOCK, False)
+        matrix_format = replace(matrix_format, group_size=group, block_values=block)
         # f16 scales stay f16 (exact); a matrix quantised on load may hold float32 ones.
         storage = torch.float16 if all(m.scales.dtype == torch.float16 for m in modules) else torch.float32
-        matrices.append((matrix_format, [codes, scales.to(storage), scale_steps, biases.to(storage), bias_steps]))
+        matrices.append((matrix_format, [narrow, scales.to(storage), scale_steps, biases.to(storage), bias_steps]))
     return matrices
 
 

@@ -54,7 +54,9 @@ using edgetrain::NonFiniteError;
 
 namespace {
 
-constexpr int64_t kFormatVersion = 4;  // 2: int8 row_halves codes; 3: signed 8-bit codes; 4: wide codes, k-quant steps (edgetrain/export/mesp_graph.py)
+// 2: int8 row_halves codes; 3: signed 8-bit codes; 4: wide codes, k-quant steps; 5: 2-, 3-, 5- and 6-bit codes in
+// row_halves with a high_codes plane above 4 bits (edgetrain/export/mesp_graph.py, MatrixFormat)
+constexpr int64_t kFormatVersion = 5;
 
 struct WeightsTensor {
   std::string name;
@@ -343,8 +345,11 @@ class MeSPRunner {
         adamw_(adamw) {
     const std::vector<int64_t> meta = weights_.longs("program.meta");
     if (meta.size() != 8 || meta[0] != kFormatVersion) {
+      // An export from another edgetrain holds its codes in another layout: the program would misread them.
       throw InputError(weights_path + ": not a MeSP program's weights file of format version " +
-                       std::to_string(kFormatVersion));
+                       std::to_string(kFormatVersion) +
+                       (meta.empty() ? std::string()
+                                     : " (it says " + std::to_string(meta[0]) + "): export it again with this edgetrain"));
     }
     for (size_t i = 1; i < 7; ++i) {
       if (meta[i] < 1 || meta[i] > INT32_MAX) {

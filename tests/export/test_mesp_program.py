@@ -259,12 +259,29 @@ def _pieces(monkeypatch, tmp_path, model) -> tuple[dict, dict]:
 _SLOW_ON_TILES = ("aten.mul.Scalar", "aten.alias.default", "aten.div.Tensor_mode")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_packed_pieces_leave_no_tile_to_the_portable_kernels_and_keep_their_numbers(monkeypatch, tmp_path, bits):
+def _packed_base(base: str) -> torch.nn.Module:
+    """tiny quantised on load (4 or 8 bits), or llama.cpp's tiny GGUF fixture of a 5- or 6-bit type (its blocks'
+    codes in row quarters), one block, with LoRA."""
+    if base.endswith("-bit"):
+        return lora_tiny(quantize_bits=int(base[:-4]), layers=1)
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    model = edgetrain.load_model(Path(__file__).resolve().parent.parent / "fixtures" / "gguf" / f"tiny-{base}.gguf")
+    del model.blocks[1:]
+    return make_trainable(model, "lora", rank=4)
+
+
+# Q6_K's row quarters (three bytes of a last-quarter code, not two) in the slow lane: about 30 s more, and the Q4_K_M
+# export below runs them too.
+@pytest.mark.parametrize("base", ["4-bit", "8-bit", "Q5_0", pytest.param("Q6_K", marks=pytest.mark.slow)])
+def test_packed_pieces_leave_no_tile_to_the_portable_kernels_and_keep_their_numbers(monkeypatch, tmp_path, base):
     from edgetrain.export.executorch import (_linear_for_transposed_products, _replace_empty_permuted, _split_addmm,
                                              trace_for_lowering)
 
-    modules, examples = _pieces(monkeypatch, tmp_path, lora_tiny(quantize_bits=bits, layers=1))
+    modules, examples = _pieces(monkeypatch, tmp_path, _packed_base(base))
+    quarters = {projection.matrix.row_quarters for projection in modules["block_forward"].layout.projections}
+    assert quarters == {not base.endswith("-bit")}
     torch.manual_seed(1)
     for name in ("embed", "block_forward", "block_backward", "head"):
         args = list(examples[name])
@@ -330,8 +347,8 @@ def test_lowering_keeps_the_traced_order_so_tiles_are_not_all_alive_at_once():
 @pytest.mark.parametrize("file_type", ["Q3_K_M", "Q4_K_M"])
 def test_a_k_quant_base_stays_packed_in_the_program_and_trains_as_torch_mesp(file_type, tmp_path, caplog):
     """llama.cpp's Q3_K_M and Q4_K_M mixes (Q3_K, Q4_K, Q5_K, Q6_K) go into the weights file as their codes
-    (4-bit ones in row halves, others a byte each) with the block scales and group steps, dequantised in the
-    block programs; the steps equal torch mesp on the packed model."""
+    (in row halves, 5- and 6-bit ones in row quarters; the odd-rowed head a byte a code) with the block scales
+    and group steps, dequantised in the block programs; the steps equal torch mesp on the packed model."""
     import logging
     from pathlib import Path
 
@@ -345,6 +362,8 @@ def test_a_k_quant_base_stays_packed_in_the_program_and_trains_as_torch_mesp(fil
     file = WeightsFile(weights)
     assert "blocks.0.q.weight" not in file and "blocks.0.q.scale_steps" in file
     assert file.tensor("blocks.0.q.codes").dtype == torch.int8
+    v = next(p for p in file.manifest["block"]["projections"] if p["name"] == "v")  # Q5_K or Q6_K: 6 bits a code
+    assert v["row_quarters"] and file.tensor("blocks.0.v.codes").shape == (v["rows"] * 3 // 4, v["cols"])
     loss_error, adapter_error, _, _ = _parity(program, weights, reference, 2)
     assert loss_error <= TOLERANCE
     assert adapter_error <= TOLERANCE
@@ -373,8 +392,9 @@ def test_a_non_uniform_grid_goes_in_dense_with_a_message_and_trains_as_torch_mes
 
 def test_blocks_in_different_formats_share_one_exact_format_and_train_as_torch_mesp(tmp_path, caplog):
     """A projection held in different affine formats across blocks (a Q4_K_M file's Q4_K / Q6_K ffn_down, its
-    Q5_0 / Q8_0 attn_v) goes into every block in one common format (a code a byte, scales and biases on a
-    32-column grid with group steps), not dense: here blocks from llama.cpp's Q4_K_M, Q3_K_M and Q5_0 files."""
+    Q5_0 / Q8_0 attn_v) goes into every block in one common format (codes in as few bits as hold every
+    format's, scales and biases on the smallest block's grid with group steps), not dense: here blocks from
+    llama.cpp's Q4_K_M, Q3_K_M and Q5_0 files."""
     import logging
     from pathlib import Path
 
@@ -391,7 +411,11 @@ def test_blocks_in_different_formats_share_one_exact_format_and_train_as_torch_m
     assert not [r for r in caplog.records if "dense float32" in r.getMessage()]
     file = WeightsFile(weights)
     projections = {p["name"]: p for p in file.manifest["block"]["projections"]}
-    assert all(p["wide"] and p["block_values"] == 32 for p in projections.values())  # every one mixed here
+    # Every one mixed here, with no 8-bit format among them: codes of -16 to 15 (5 bits) or, with Q6_K's, -32 to 31
+    # (6 bits), in row quarters; scales and biases on Q5_0's 32 columns.
+    assert all(p["row_quarters"] and p["block_values"] == 32 for p in projections.values())
+    assert {name: (p["bits"], p["code_offset"]) for name, p in projections.items()} == {
+        "q": (5, 16), "k": (5, 16), "v": (6, 32), "o": (5, 16), "gate": (5, 16), "up": (5, 16), "down": (6, 32)}
     assert projections["q"]["group_size"] == 16 and projections["o"]["group_size"] == 32  # Q3_K's groups of 16
     assert not any(name.endswith(".weight") and name.startswith("blocks.") for name in file.entries)
     batches = text_batches(3)

@@ -155,6 +155,28 @@ def test_bad_inputs_exit_3_naming_the_file_and_write_nothing(runner, exported, t
     assert unwritable.returncode == 4 and "no-such-dir" in unwritable.error and unwritable.losses == []
 
 
+def test_an_export_of_format_version_4_is_refused_by_name(runner, exported, tmp_path):
+    """Version 4 held 5- and 6-bit codes a byte each where version 5 splits them (mesp_graph.MatrixFormat): the
+    program would misread an old file's codes, so the runner and the Python replay refuse it, naming the file and
+    both versions, and write nothing."""
+    from edgetrain.export.mesp_program import FORMAT_VERSION
+    from edgetrain.export.weights_file import WeightsFile, WeightsFileError, write_weights_file
+
+    program, weights, batch_file, _, _ = exported
+    assert FORMAT_VERSION == 5
+    current = WeightsFile(weights)
+    tensors = {name: current.tensor(name).clone() for name in current.entries}
+    tensors["program.meta"][0] = 4
+    old = write_weights_file(tmp_path / "old.weights", tensors, {**current.manifest, "version": 4})
+    save = tmp_path / "never.safetensors"
+    result = run_mesp_runner(runner, program, batch_file, weights=old, lr=LR, save=save, check=False)
+    assert result.returncode == 3, result.error
+    assert f"{old}: not a MeSP program's weights file of format version 5 (it says 4)" in result.error
+    assert not save.exists()
+    with pytest.raises(WeightsFileError, match=r"old.weights: .*format version 4, this edgetrain reads 5"):
+        MeSPProgramTrainer(program, old)
+
+
 def test_a_checkpoint_of_another_program_is_refused(runner, exported, tmp_path):
     program, _, batch_file, _, reference = exported
     from edgetrain.methods.configs import MeSPConfig
