@@ -29,7 +29,10 @@ def _native(type_id: int) -> str:
     fmt = BLOCK_FORMATS[type_id]
     if not program_reads(layout_of(fmt)):
         return "dense float32 (converted at export, said once)"
-    codes = "as stored" if fmt.bits in (4, 8) else "a code a byte"
+    # The program's int8 layouts (edgetrain/export/mesp_graph.py MatrixFormat), for a matrix whose rows split
+    # evenly (4 rows for row quarters, 2 for row halves; every GGUF matrix's do).
+    codes = {8: "a code a byte", 5: "three bytes for four codes", 6: "three bytes for four codes"}.get(
+        fmt.bits, "two codes a byte")
     return f"packed ({codes}; dequantised a tile at a time in the block programs)"
 
 
