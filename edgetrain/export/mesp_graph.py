@@ -57,8 +57,8 @@ class MatrixFormat:
       nibble, and a symmetric format's zero point of 2^(bits - 1) cancels), and b - 2^k floor(b / 2^k) a part
       of the last quarter's q, which two (5 bits) or three (6 bits) such parts add up to. A tile stays within
       one quarter. A code takes 6 bits where a byte a code took 8. A 5-bit layout for 5-bit codes (their low bits
-      in row halves, a plane of high bits) took about twice the float operations a row and cost SmolLM2's runner
-      10% more step time, row quarters 4% (docs/export.md).
+      in row halves, a plane of high bits) took about twice the float operations a row: SmolLM2 Q4_K_M's runner
+      took 16% longer a step than with a byte a code, with row quarters 3-8% (docs/export.md).
     - `code_offset`: the row_halves and row_quarters codes of _common_matrices' narrow format hold
       q + code_offset (its codes are signed; those layouts' are not).
     - 4 bits, odd rows: uint8 as loaded (byte i of a row holds columns 2i and 2i + 1), unpacked by a
