@@ -15,7 +15,7 @@ ensure_venv() {
     local stamp=".venv/.edgetrain-installed"
     local want
     # The compiled tile kernel's source too: an editable install builds it once, so a change to it must reinstall.
-    want="$(cat pyproject.toml tools/constraints.txt edgetrain/models/*.c | sha256sum | cut -c1-16)-$extras"
+    want="$(cat pyproject.toml setup.py tools/constraints.txt edgetrain/models/*.c | sha256sum | cut -c1-16)-$extras"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         return 0
     fi

@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* Column (8 / bits) i + t of a plane is in bits [bits t, bits (t + 1)) of byte i. A 1- or 2-bit plane is
  * spread through a table of each byte's 8 or 4 values, already shifted: one load and one store (or an or,
@@ -155,66 +158,112 @@ static void scale_nibbles(const uint8_t* restrict plane, int cols, int group_siz
 
 static const void* address(unsigned long long value) { return (const void*)(uintptr_t)value; }
 
-static PyObject* dequantize_rows(PyObject* self, PyObject* args) {
-  unsigned long long out_address, low_address, high_address, scales_address, scale_steps_address, biases_address,
-      bias_steps_address, codebook_address;
-  int low_bits, high_bits, rows, cols, group_size, offset, half, block_groups, bias_sign;
-  if (!PyArg_ParseTuple(args, "KKiKiiiiiKiiKKKiK", &out_address, &low_address, &low_bits, &high_address,
-                        &high_bits, &rows, &cols, &group_size, &offset, &scales_address, &half, &block_groups,
-                        &scale_steps_address, &biases_address, &bias_steps_address, &bias_sign,
-                        &codebook_address)) {
-    return NULL;
-  }
-  const int groups = cols / group_size;
+/* Rows [first, last) of the tile, with this thread's own scratch of `cols` codes and 2 * groups floats. */
+typedef struct {
+  float* out;
+  const uint8_t* low;
+  const uint8_t* high;
+  const float* codebook;
+  GroupValues scales, biases;
+  int low_bits, high_bits, cols, group_size, offset, block_groups, bias_sign;
+  size_t low_row, high_row;
+} Tile;
+
+static int dequantize_range(const Tile* tile, size_t first, size_t last) {
+  const int cols = tile->cols, groups = cols / tile->group_size;
   uint8_t* codes = (uint8_t*)malloc((size_t)cols);
   float* row_scales = (float*)malloc(2 * sizeof(float) * (size_t)groups);
   if (codes == NULL || row_scales == NULL) {
     free(codes);
     free(row_scales);
-    return PyErr_NoMemory();
+    return 0;
   }
   float* row_biases = row_scales + groups;
-  float* out = (float*)(uintptr_t)out_address;
-  const uint8_t* low = address(low_address);
-  const uint8_t* high = address(high_address);
-  const float* codebook = address(codebook_address);
-  const GroupValues scales = {address(scales_address), half, address(scale_steps_address), NULL};
-  const GroupValues biases = {address(biases_address), half, NULL, address(bias_steps_address)};
-  const size_t low_row = (size_t)cols * low_bits / 8, high_row = (size_t)cols * high_bits / 8;
+  const int has_biases = tile->biases.stored != NULL;
   uint8_t low_table[256][8], high_table[256][8];
-  Py_BEGIN_ALLOW_THREADS
-  if (low_bits == 2) spread_table(low_bits, 0, low_table);
-  if (high_bits) spread_table(high_bits, low_bits, high_table);
-  for (size_t r = 0; r < (size_t)rows; ++r) {
-    if (low_bits == 4 && !high_bits && codebook == NULL) {  // the common 4-bit formats: straight from the bytes
-      group_values(scales, r, groups, block_groups, row_scales);
-      if (biases.stored != NULL) group_values(biases, r, groups, block_groups, row_biases);
-      scale_nibbles(low + r * low_row, cols, group_size, offset, row_scales,
-                    biases.stored == NULL ? NULL : row_biases, bias_sign, out + r * (size_t)cols);
+  if (tile->low_bits == 2) spread_table(tile->low_bits, 0, low_table);
+  if (tile->high_bits) spread_table(tile->high_bits, tile->low_bits, high_table);
+  for (size_t r = first; r < last; ++r) {
+    float* out = tile->out + r * (size_t)cols;
+    group_values(tile->scales, r, groups, tile->block_groups, row_scales);
+    if (has_biases) group_values(tile->biases, r, groups, tile->block_groups, row_biases);
+    if (tile->low_bits == 4 && !tile->high_bits && tile->codebook == NULL) {  // the common 4-bit formats: from the bytes
+      scale_nibbles(tile->low + r * tile->low_row, cols, tile->group_size, tile->offset, row_scales,
+                    has_biases ? row_biases : NULL, tile->bias_sign, out);
       continue;
     }
-    if (low_bits == 4) {
-      unpack_nibbles(low + r * low_row, cols, codes);
+    if (tile->low_bits == 4) {
+      unpack_nibbles(tile->low + r * tile->low_row, cols, codes);
     } else {
-      unpack_plane(low + r * low_row, low_bits, cols, low_table, 0, codes);
+      unpack_plane(tile->low + r * tile->low_row, tile->low_bits, cols, low_table, 0, codes);
     }
-    if (high_bits) unpack_plane(high + r * high_row, high_bits, cols, high_table, 1, codes);
-    group_values(scales, r, groups, block_groups, row_scales);
-    if (biases.stored != NULL) group_values(biases, r, groups, block_groups, row_biases);
-    scale_row(codes, cols, group_size, offset, row_scales, biases.stored == NULL ? NULL : row_biases, bias_sign,
-              codebook, out + r * (size_t)cols);
+    if (tile->high_bits) unpack_plane(tile->high + r * tile->high_row, tile->high_bits, cols, high_table, 1, codes);
+    scale_row(codes, cols, tile->group_size, tile->offset, row_scales, has_biases ? row_biases : NULL,
+              tile->bias_sign, tile->codebook, out);
   }
-  Py_END_ALLOW_THREADS
   free(codes);
   free(row_scales);
+  return 1;
+}
+
+static PyObject* dequantize_rows(PyObject* self, PyObject* args) {
+  unsigned long long out_address, low_address, high_address, scales_address, scale_steps_address, biases_address,
+      bias_steps_address, codebook_address;
+  int low_bits, high_bits, rows, cols, group_size, offset, half, block_groups, bias_sign, threads;
+  if (!PyArg_ParseTuple(args, "KKiKiiiiiKiiKKKiKi", &out_address, &low_address, &low_bits, &high_address,
+                        &high_bits, &rows, &cols, &group_size, &offset, &scales_address, &half, &block_groups,
+                        &scale_steps_address, &biases_address, &bias_steps_address, &bias_sign,
+                        &codebook_address, &threads)) {
+    return NULL;
+  }
+  const Tile tile = {(float*)(uintptr_t)out_address, address(low_address), address(high_address),
+                     address(codebook_address),
+                     {address(scales_address), half, address(scale_steps_address), NULL},
+                     {address(biases_address), half, NULL, address(bias_steps_address)},
+                     low_bits, high_bits, cols, group_size, offset, block_groups, bias_sign,
+                     (size_t)cols * low_bits / 8, (size_t)cols * high_bits / 8};
+  int done = 1;
+  Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+  /* Each thread a contiguous share of the rows. The product that reads the tile next splits its output columns
+   * (the tile's rows) the same way between the same threads, so each core mostly reads rows it wrote. With the
+   * OpenMP runtime torch loaded (libgomp.so.1, one per process), its idle pool threads take the shares. */
+  if (threads > 1 && rows > 1) {
+    if (threads > rows) threads = rows;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : failed)
+    {
+      const int index = omp_get_thread_num(), count = omp_get_num_threads();
+      const size_t first = (size_t)rows * index / count, last = (size_t)rows * (index + 1) / count;
+      failed += !dequantize_range(&tile, first, last);
+    }
+    done = failed == 0;
+  } else {
+    done = dequantize_range(&tile, 0, (size_t)rows);
+  }
+#else
+  (void)threads;
+  done = dequantize_range(&tile, 0, (size_t)rows);
+#endif
+  Py_END_ALLOW_THREADS
+  if (!done) return PyErr_NoMemory();
   Py_RETURN_NONE;
+}
+
+static PyObject* parallel(PyObject* self, PyObject* unused) {
+#ifdef _OPENMP
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
 }
 
 static PyMethodDef methods[] = {
     {"dequantize_rows", dequantize_rows, METH_VARARGS,
      "dequantize_rows(out, low, low_bits, high, high_bits, rows, cols, group_size, offset, scales, half, "
-     "block_groups, scale_steps, biases, bias_steps, bias_sign, codebook): addresses as integers (0 for none); "
-     "see edgetrain/models/tile_kernel.py"},
+     "block_groups, scale_steps, biases, bias_steps, bias_sign, codebook, threads): addresses as integers (0 for "
+     "none); see edgetrain/models/tile_kernel.py"},
+    {"parallel", parallel, METH_NOARGS, "whether this build shares a tile's rows between threads (OpenMP)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_tile_kernel",

@@ -296,9 +296,29 @@ class PackedMatrix(nn.Module):
         many as tile_elements(device) entries hold by default). Each tile lives in a scratch buffer that the
         next tile overwrites: use it before asking for the next."""
         step = rows_per_tile or max(1, tile_elements(self.device if device is None else device) // self.cols)
+        kernel_rows = self._kernel_rows(dtype, device)
         for start in range(0, self.rows, step):
             stop = min(start + step, self.rows)
-            yield start, stop, self.dequantize_rows(start, stop, dtype, device, scratch=True)
+            if kernel_rows is None:
+                yield start, stop, self.dequantize_rows(start, stop, dtype, device, scratch=True)
+                continue
+            # The compiled kernel straight from the matrix's own tensors: checked once above, not a tile.
+            tile = _scratch("dense", (stop - start) * self.cols, torch.float32, self.device).view(stop - start, self.cols)
+            kernel_rows.fill(tile, start, stop)
+            yield start, stop, tile
+
+    def _kernel_rows(self, dtype: torch.dtype | None, device: Any) -> "tile_kernel.KernelRows | None":
+        """This matrix as the compiled tile kernel reads it, where its tiles are float32 scratch tiles on the CPU
+        it lives on; else None (the general path: _dequantize_packed)."""
+        if (self.device.type != "cpu" or (device is not None and torch.device(device) != self.device)
+                or self._work_dtype(dtype) != torch.float32 or (self.dtype if dtype is None else dtype) != torch.float32
+                or _under_functorch()):
+            return None
+        low_bits, high_bits = self.layout.planes
+        return tile_kernel.plan(self.codes, low_bits, self.high_codes, high_bits, self.group_size,
+                                -(self.layout.zero_point or 0), self.scales, self.scale_steps, self.biases,
+                                self.bias_steps, self.layout.subtracts_bias,
+                                None if self.codebook is None else self.codebook.to(torch.float32))
 
     def dequantize(self, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
         """The whole dense [rows, cols] matrix in `dtype` (the layer's by default)."""

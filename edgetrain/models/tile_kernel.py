@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -44,7 +45,9 @@ def status() -> str:
                 "is found)")
     if not _enabled:
         return f"torch kernels ({ENVIRONMENT_SWITCH}=off)"
-    return "compiled tile kernel (one pass a row)"
+    if _tile_kernel.parallel():
+        return "compiled tile kernel (one pass a row, the rows shared among torch's threads)"
+    return "compiled tile kernel (one pass a row, one thread: built without OpenMP)"
 
 
 @contextlib.contextmanager
@@ -66,48 +69,106 @@ def _plain(tensor: torch.Tensor | None, dtypes: tuple[torch.dtype, ...], shape: 
 _STORED = (torch.float16, torch.float32)
 
 
+@dataclass(frozen=True)
+class KernelRows:
+    """A packed matrix's tensors, checked once for the kernel (`plan`): `fill` dequantises any range of its
+    rows, the kernel reading from that row's bytes on. A tile loop asks for one plan and fills each tile from
+    it, so the checks and the slicing of six tensors are not paid a tile."""
+    codes: torch.Tensor
+    high_codes: torch.Tensor | None
+    scales: torch.Tensor
+    scale_steps: torch.Tensor | None
+    biases: torch.Tensor | None
+    bias_steps: torch.Tensor | None
+    codebook: torch.Tensor | None
+    low_bits: int
+    high_bits: int
+    group_size: int
+    offset: int
+    subtracts_bias: bool
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.codes.shape[1] * 8 // self.low_bits
+
+    def fill(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """Dequantise rows [start, stop) into `out`, a contiguous float32 CPU tensor of (stop - start) x cols
+        entries (checked here: every other address was checked by `plan`)."""
+        rows = stop - start
+        if not (0 <= start <= stop <= self.rows and out.dtype == torch.float32 and out.device.type == "cpu"
+                and out.is_contiguous() and out.numel() == rows * self.cols):
+            raise ValueError(f"tile kernel: rows [{start}, {stop}) of a {self.rows}-row matrix do not fit an output "
+                             f"of {out.numel()} {out.dtype} entries on {out.device}")
+        if rows == 0:
+            return
+        groups, blocks = self.cols // self.group_size, self.scales.shape[1]
+
+        def at(tensor: torch.Tensor | None, row_entries: int) -> int:  # the address of row `start`'s first entry
+            return 0 if tensor is None else tensor.data_ptr() + start * row_entries * tensor.element_size()
+
+        _tile_kernel.dequantize_rows(out.data_ptr(), at(self.codes, self.codes.shape[1]), self.low_bits,
+                                     at(self.high_codes, 0 if self.high_codes is None else self.high_codes.shape[1]),
+                                     self.high_bits, rows, self.cols, self.group_size, self.offset,
+                                     at(self.scales, blocks), int(self.scales.dtype == torch.float16), groups // blocks,
+                                     at(self.scale_steps, groups), at(self.biases, blocks), at(self.bias_steps, groups),
+                                     -1 if self.subtracts_bias else 1,
+                                     0 if self.codebook is None else self.codebook.data_ptr(), torch.get_num_threads())
+
+
+def plan(codes: torch.Tensor, low_bits: int, high_codes: torch.Tensor | None, high_bits: int, group_size: int,
+         offset: int, scales: torch.Tensor, scale_steps: torch.Tensor | None, biases: torch.Tensor | None,
+         bias_steps: torch.Tensor | None, subtracts_bias: bool, codebook: torch.Tensor | None) -> KernelRows | None:
+    """The matrix's tensors as the kernel reads them (edgetrain/models/_tile_kernel.c has the arithmetic): the
+    planes' codes, the stored scales and biases (float16 or float32, one a block) and the k-quants' int8 scale
+    steps and uint8 bias steps (one a group); None when the kernel is off or cannot take these tensors as they
+    are (another device or dtype, a strided view, a layout it does not know)."""
+    if not available() or codes.dim() != 2 or low_bits not in _LOW_BITS or high_bits not in _HIGH_BITS:
+        return None
+    rows = codes.shape[0]
+    cols = codes.shape[1] * 8 // low_bits
+    if (group_size <= 0 or cols % group_size or (high_bits and cols % (8 // high_bits))
+            or rows > _INT32_MAX or cols > _INT32_MAX or abs(offset) > 255):
+        return None
+    groups = cols // group_size
+    if scales.dim() != 2 or scales.shape[1] <= 0 or groups % scales.shape[1]:
+        return None
+    blocks = scales.shape[1]
+    if not (_plain(codes, (torch.uint8,), (rows, cols * low_bits // 8)) and _plain(scales, _STORED, (rows, blocks))):
+        return None
+    if high_bits and not _plain(high_codes, (torch.uint8,), (rows, cols * high_bits // 8)):
+        return None
+    # Steps are what let a block's one stored scale serve several groups; without them, one a group.
+    stepped = scale_steps is not None
+    if (blocks != groups and not stepped) or (stepped and not _plain(scale_steps, (torch.int8,), (rows, groups))):
+        return None
+    if biases is not None and not (_plain(biases, (scales.dtype,), (rows, blocks)) and (
+            (bias_steps is None and not stepped) or (stepped and _plain(bias_steps, (torch.uint8,), (rows, groups))))):
+        return None
+    if biases is None and bias_steps is not None:
+        return None
+    if codebook is not None and (biases is not None or offset
+                                 or not _plain(codebook, (torch.float32,), (2 ** (low_bits + high_bits),))):
+        return None
+    return KernelRows(codes, high_codes if high_bits else None, scales, scale_steps, biases,
+                      bias_steps if biases is not None else None, codebook, low_bits, high_bits, group_size, offset,
+                      subtracts_bias)
+
+
 def dequantize_rows(out: torch.Tensor, codes: torch.Tensor, low_bits: int, high_codes: torch.Tensor | None,
                     high_bits: int, group_size: int, offset: int, scales: torch.Tensor,
                     scale_steps: torch.Tensor | None, biases: torch.Tensor | None, bias_steps: torch.Tensor | None,
                     subtracts_bias: bool, codebook: torch.Tensor | None) -> bool:
-    """Fill `out` [rows, cols] float32 from packed rows as PackedMatrix holds them (edgetrain/models/_tile_kernel.c
-    has the arithmetic): the planes' codes, the stored scales and biases (float16 or float32, one a block) and
-    the k-quants' int8 scale steps and uint8 bias steps (one a group). False, with `out` untouched, when the
-    kernel is off or cannot take these tensors as they are."""
-    if not available() or out.dim() != 2 or low_bits not in _LOW_BITS or high_bits not in _HIGH_BITS:
+    """Fill `out` [rows, cols] float32 from all the packed rows given (see `plan`). False, with `out` untouched,
+    when the kernel is off or cannot take these tensors as they are."""
+    rows_plan = plan(codes, low_bits, high_codes, high_bits, group_size, offset, scales, scale_steps, biases,
+                     bias_steps, subtracts_bias, codebook)
+    if rows_plan is None or out.dim() != 2 or tuple(out.shape) != (rows_plan.rows, rows_plan.cols):
         return False
-    rows, cols = out.shape
-    if (group_size <= 0 or cols % group_size or cols % (8 // low_bits) or (high_bits and cols % (8 // high_bits))
-            or rows > _INT32_MAX or cols > _INT32_MAX or abs(offset) > 255):
+    if not _plain(out, (torch.float32,), tuple(out.shape)):
         return False
-    groups = cols // group_size
-    if scales.dim() != 2 or scales.shape[1] <= 0 or groups % scales.shape[1]:
-        return False
-    blocks = scales.shape[1]
-    if not (_plain(out, (torch.float32,), (rows, cols)) and _plain(codes, (torch.uint8,), (rows, cols * low_bits // 8))
-            and _plain(scales, _STORED, (rows, blocks))):
-        return False
-    if high_bits and not _plain(high_codes, (torch.uint8,), (rows, cols * high_bits // 8)):
-        return False
-    # Steps are what let a block's one stored scale serve several groups; without them, one a group.
-    stepped = scale_steps is not None
-    if (blocks != groups and not stepped) or (stepped and not _plain(scale_steps, (torch.int8,), (rows, groups))):
-        return False
-    if biases is not None and not (_plain(biases, (scales.dtype,), (rows, blocks)) and (
-            (bias_steps is None and not stepped) or (stepped and _plain(bias_steps, (torch.uint8,), (rows, groups))))):
-        return False
-    if biases is None and bias_steps is not None:
-        return False
-    if codebook is not None and (biases is not None or offset
-                                 or not _plain(codebook, (torch.float32,), (2 ** (low_bits + high_bits),))):
-        return False
-    if rows == 0:
-        return True
-    _tile_kernel.dequantize_rows(out.data_ptr(), codes.data_ptr(), low_bits,
-                                 high_codes.data_ptr() if high_bits else 0, high_bits, rows, cols, group_size, offset,
-                                 scales.data_ptr(), int(scales.dtype == torch.float16), groups // blocks,
-                                 scale_steps.data_ptr() if stepped else 0,
-                                 0 if biases is None else biases.data_ptr(),
-                                 0 if bias_steps is None else bias_steps.data_ptr(), -1 if subtracts_bias else 1,
-                                 0 if codebook is None else codebook.data_ptr())
+    rows_plan.fill(out, 0, rows_plan.rows)
     return True

@@ -127,3 +127,48 @@ def test_a_packed_matrix_shell_on_the_meta_device_is_not_sent_to_the_kernel():
     shell = PackedMatrix(4, 64, 4, device="meta")
     dense = torch.empty(4, 64, device="meta")
     assert not shell._dequantize_compiled(shell._packed_rows(slice(0, 4)), dense)
+
+
+def test_the_build_shares_a_tiles_rows_among_threads_where_the_compiler_has_openmp():
+    """setup.py builds with OpenMP first (gcc has it): the rows are then split among torch's threads."""
+    import shutil
+    import sys
+
+    if not (sys.platform.startswith("linux") and shutil.which("gcc")):
+        pytest.skip("the OpenMP build is checked where gcc builds the kernel")
+    assert tile_kernel._tile_kernel.parallel(), tile_kernel.status()
+    assert "shared among torch's threads" in tile_kernel.status()
+
+
+@pytest.mark.parametrize("type_id", sorted(BLOCK_FORMATS), ids=lambda t: BLOCK_FORMATS[t].name)
+def test_every_thread_count_gives_the_same_bits(type_id):
+    """Each thread takes a contiguous share of the rows: 1, 2 and 3 threads (a share of 4 rows and two of
+    5) and more threads than rows all write what the torch kernels write."""
+    layer = _matrix(type_id, 13, 256, seed=type_id + 3)
+    with tile_kernel.kernel_enabled(False):
+        expected = _bits(layer.dequantize())
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 16):
+            torch.set_num_threads(threads)
+            assert torch.equal(_bits(layer.dequantize()), expected), threads
+            tiles = torch.cat([tile.clone() for _, _, tile in layer.scratch_tiles(rows_per_tile=6)])
+            assert torch.equal(_bits(tiles), expected), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_plan_fills_any_range_of_rows_and_refuses_an_output_that_does_not_fit():
+    layer = _matrix(next(t for t in BLOCK_FORMATS if BLOCK_FORMATS[t].name == "Q6_K"), 9, 512, seed=5)
+    whole = layer.dequantize()
+    rows = layer._kernel_rows(None, None)
+    assert rows is not None and (rows.rows, rows.cols) == (9, 512)
+    out = torch.full((4, 512), 7.0)
+    rows.fill(out, 3, 7)
+    assert torch.equal(_bits(out), _bits(whole[3:7]))
+    for start, stop, tensor in [(3, 8, out), (8, 12, out), (5, 3, out), (0, 4, out.double()), (0, 4, out.t())]:
+        with pytest.raises(ValueError, match="do not fit"):
+            rows.fill(tensor, start, stop)
+    assert torch.equal(_bits(out), _bits(whole[3:7]))  # a refused fill writes nothing
+    # A tile moved to another dtype or device, or a float64 model, takes the general path.
+    assert layer._kernel_rows(torch.float64, None) is None and layer._kernel_rows(None, "meta") is None
