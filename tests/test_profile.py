@@ -225,8 +225,8 @@ def test_a_4_bit_base_on_torch_keeps_less_weight_memory_and_reports_its_footprin
 
 @pytest.mark.parametrize("warmup", [1, 3])
 def test_warmup_steps_run_untimed_before_the_timed_ones(warmup, monkeypatch):
-    """`--warmup N`: N steps before the timed `--steps` (then the compute-floor and tensor-accounting steps), so a GPU's
-    first-step costs (kernel choice, allocator pools) stay out of the timings."""
+    """`--warmup N`: N steps before the timed `--steps` (then the compute-floor, step-breakdown and
+    tensor-accounting steps), so a GPU's first-step costs (kernel choice, allocator pools) stay out of the timings."""
     import edgetrain
     from edgetrain.profiler.config import ProfileConfig
     from edgetrain.profiler.worker import profile_method
@@ -236,7 +236,8 @@ def test_warmup_steps_run_untimed_before_the_timed_ones(warmup, monkeypatch):
     monkeypatch.setattr(edgetrain.Learner, "step", lambda self, batch: seen.append(1) or original(self, batch))
     record = profile_method(ProfileConfig(model="tiny", method="mesp", seq=16, steps=2, warmup=warmup,
                                           fidelity=False))
-    assert len(seen) == warmup + 2 + 2 and record["step_seconds"] > 0 and record["floor_ratio"] > 0
+    assert len(seen) == warmup + 2 + 3 and record["step_seconds"] > 0 and record["floor_ratio"] > 0
+    assert record["products_in_step_seconds"] > 0 and record["operator_calls"] > record["matmul_calls"]
 
 
 def test_a_profile_whose_load_changed_prints_no_time_ratio():

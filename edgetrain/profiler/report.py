@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.profiler.config import RECORD_FIELDS
+from edgetrain.profiler.step_breakdown import breakdown_line
 from edgetrain.registry import EdgetrainError
 from edgetrain.training.checkpoint import atomic_write_bytes
 
@@ -100,7 +101,10 @@ def format_table(records: list[dict[str, Any]]) -> str:
     lines = ["  ".join(cell.ljust(w) if i in (0, len(columns) - 1) else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return head + "\n" + "\n".join(lines + trade_lines(records, times_comparable=not load_changed))
+    breakdowns = [line for line in map(breakdown_line, records) if line is not None]
+    if breakdowns:
+        breakdowns.insert(0, "")
+    return head + "\n" + "\n".join(lines + breakdowns + trade_lines(records, times_comparable=not load_changed))
 
 
 # The autograd methods mesp is weighed against under the table, and what each one is.

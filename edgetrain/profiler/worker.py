@@ -4,8 +4,9 @@ by the runner, one fresh process per method so one method's cached memory cannot
 Order matters: gradient fidelity first (on the untouched weights, so every method sees the same
 weights and batch and reports the same loss; against bp on a float64 copy of the model), then a warm-up
 step, then timed steps read by the OS/allocator probe, then one step whose matrix products are recorded
-for the compute floor (edgetrain/profiler/compute_floor.py), then one step under tensor accounting (both
-slow ops, so they are never timed).
+for the compute floor (edgetrain/profiler/compute_floor.py), then one step with every operator timed
+(edgetrain/profiler/step_breakdown.py), then one step under tensor accounting (all slow ops, so they are never
+timed).
 """
 from __future__ import annotations
 
@@ -162,6 +163,11 @@ def profile_torch_method(config) -> dict[str, Any]:
     from edgetrain.profiler.compute_floor import measure_compute_floor
 
     record.update(measure_compute_floor(lambda: learner.step(batch), record["step_seconds"]))
+    _progress(f"[{config.method}] step breakdown (every operator and tile timed)")
+    from edgetrain.profiler.step_breakdown import measure_step_breakdown
+
+    record.update(measure_step_breakdown(lambda: learner.step(batch), record["step_seconds"],
+                                         record["floor_seconds"]))
 
     _progress(f"[{config.method}] tensor accounting step")
     accountant = TensorAccountant(model=model)
