@@ -91,6 +91,47 @@ def test_small_requests_and_released_buffers_are_left_to_the_allocator():
     assert buffers.held_bytes() == 2048 and kept.numel() == 512
 
 
+def test_free_buffers_are_kept_only_as_far_as_the_room_the_step_made():
+    """release_free(within_room=True) keeps the largest free buffers whose bytes fit in the room made so far
+    (make_room: the stored block inputs the backward let go of); a plain release_free keeps none."""
+    cpu = torch.device("cpu")
+    buffers = step_buffers.StepBuffers(min_bytes=0)
+    held = [buffers.empty((numel,), torch.float32, cpu) for numel in (256, 512, 1024)]
+    taken = buffers.empty((2048,), torch.float32, cpu)
+    del held  # free now
+    buffers.release_free(within_room=True)
+    assert buffers.held_bytes() == 2048 * 4  # no room yet: only the taken one stays
+    held = [buffers.empty((numel,), torch.float32, cpu) for numel in (256, 512, 1024)]
+    del held
+    buffers.make_room(1024 * 4 + 256 * 4 + 100)
+    buffers.release_free(within_room=True)
+    # Largest first: 1024 fits, 512 no longer does, 256 does.
+    assert sorted(size for held in buffers._buffers.values() for size, _, _ in held) == [256, 1024, 2048]
+    buffers.release_free()
+    assert buffers.held_bytes() == 2048 * 4 and taken.numel() == 2048
+
+
+def test_the_freed_block_inputs_let_the_next_blocks_reuse_the_mlp_buffers(monkeypatch):
+    """Within the room the freed block inputs made, the MLP's free buffers are kept for the next block: fewer
+    fresh buffers (each a fresh mapping, its pages faulted in) and the same gradients; the peak is bounded by
+    test_the_pooled_step_peak_stays_near_the_plain_one."""
+    import edgetrain.methods.mesp.block as block
+
+    model = with_lora(random_decoder(7, num_hidden_layers=8, hidden_size=192, intermediate_size=512,
+                                     vocab_size=3000, num_attention_heads=6, num_key_value_heads=2, head_dim=32))
+    batch = random_batch(3000, batch=2, seq_len=96)
+    pools = []
+    made = step_buffers.StepBuffers.__init__
+    monkeypatch.setattr(step_buffers.StepBuffers, "__init__",
+                        lambda self, *a, **k: made(self, *a, **k) or pools.append(self))
+    kept_loss, kept = _gradients(model, batch)
+    with_room = pools[-1].allocated
+    monkeypatch.setattr(block, "release_free", lambda within_room=False: step_buffers.release_free(False))
+    released_loss, released = _gradients(model, batch)
+    assert with_room < pools[-1].allocated, (with_room, pools[-1].allocated)
+    assert torch.equal(kept_loss, released_loss) and all(torch.equal(kept[k], released[k]) for k in kept)
+
+
 def test_pooled_like_a_tensor_keeps_its_memory_order(every_temporary_pooled):
     sequence_major = torch.empty(2, 5, 3, 4).transpose(1, 2)  # [B, H, T, hd] laid out as [B, T, H, hd]
     with step_buffers.step_buffers():

@@ -268,8 +268,9 @@ def block_backward(weights: BlockWeights, x: torch.Tensor, grad_out: torch.Tenso
         del normed, grad_normed
     del h1
     # The MLP's [tokens, intermediate] buffers are free now; the attention's backward needs other shapes, and
-    # held through its peak they would add to it (step_buffers.py).
-    release_free()
+    # held through its peak they would add to it (step_buffers.py), except as far as the block inputs already
+    # freed make room for them: those are kept for the next block's MLP, which then faults in no fresh pages.
+    release_free(within_room=True)
 
     grad_o = flat_grad
     if o_out is not None:

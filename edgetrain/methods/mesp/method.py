@@ -199,6 +199,8 @@ class StructuredBackprop:
             grad, block_grads = backward(weights[index], block_input, grad, ropes[index],
                                          overwrite_grad_out=not self.compile_blocks,
                                          store_lora_projection=self.store_lora_projection, **chunks)
+            # Its memory, held since the forward, is given back: the pool may keep that much free from now on.
+            step_buffers.make_room(block_input)
             del block_input
             names = self._names[index]
             on_block_gradients(index, {names[local]: g for local, g in block_grads.items() if local in names})
