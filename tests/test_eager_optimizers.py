@@ -138,3 +138,20 @@ def test_optimizers_by_name_are_edgetrains_and_import_no_dynamo():
     for name, expected in (("sgd", eager_optimizers.SGD), ("adam", eager_optimizers.Adam),
                            ("adamw", eager_optimizers.AdamW)):
         assert type(make_optimizer(name, _params(), 0.1)) is expected
+
+
+def test_one_reading_tells_whether_every_tensor_is_finite():
+    """all_finite: each tensor's largest magnitude, stacked; NaN and either infinity anywhere, in any float
+    dtype, make it False; empty and integer tensors are finite."""
+    from edgetrain.backends.torch.finite_steps import all_finite
+
+    clean = [torch.randn(3, 4), torch.ones(5, dtype=torch.float16), torch.zeros(2, dtype=torch.bfloat16),
+             torch.empty(0), torch.arange(4), torch.randn(2, dtype=torch.float64)]
+    assert all_finite(clean) and all_finite([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for index in (0, 1, 2, 5):
+            tensors = [t.clone() for t in clean]
+            tensors[index].view(-1)[-1] = bad
+            assert not all_finite(tensors), (bad, index)
+    overflowed = torch.tensor([60000.0], dtype=torch.float16) * 2  # inf in float16
+    assert not all_finite([torch.ones(3), overflowed])

@@ -47,15 +47,17 @@ class FiniteOptimizerSteps:
     def before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.kept = None
         stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        for param in stepped:
-            if not bool(torch.isfinite(param.grad).all()):
-                raise NonFiniteError(f"non-finite gradient for {self._name(param)}")
+        if not all_finite([param.grad for param in stepped]):
+            bad = next(param for param in stepped if not bool(torch.isfinite(param.grad).all()))
+            raise NonFiniteError(f"non-finite gradient for {self._name(bad)}")
         rates = plain_sgd_learning_rates(optimizer)
         if rates is not None:
             for param in stepped:
                 require_step_fits(-rates[id(param)], param, self._name(param), "sgd")
-                require_finite_update(torch.add(param, param.grad, alpha=-rates[id(param)]), self._name(param),
-                                      "sgd")
+            updated = _sgd_results(stepped, rates)
+            if not all_finite(updated):
+                for param, value in zip(stepped, updated):
+                    require_finite_update(value, self._name(param), "sgd")
             return
         if isinstance(optimizer, eager_optimizers.EagerStep) and optimizer.plain():
             for param in stepped:
@@ -95,6 +97,34 @@ class FiniteOptimizerSteps:
                 optimizer.state.pop(param, None)
             else:
                 optimizer.state[param] = state
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite, in one reading for all of them: each tensor's largest
+    magnitude (NaN or infinite exactly when one of its entries is), stacked. A step's per-parameter checks were
+    a handful of operators and a read each: about 2,500 operators a step for SmolLM2's 420 adapter tensors."""
+    floating = [t for t in tensors if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    if not floating:
+        return True
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in floating:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    return all(bool(torch.isfinite(torch.stack(torch._foreach_norm(group, float("inf")))).all())
+               for group in by_device.values())
+
+
+def _sgd_results(params: list[torch.Tensor], rates: dict[int, float]) -> list[torch.Tensor]:
+    """p - lr * grad for each parameter, into new tensors (the weights untouched), a foreach call a rate."""
+    by_rate: dict[float, list[int]] = {}
+    for index, param in enumerate(params):
+        by_rate.setdefault(rates[id(param)], []).append(index)
+    results: list[torch.Tensor | None] = [None] * len(params)
+    for rate, indices in by_rate.items():
+        values = torch._foreach_add([params[i].detach() for i in indices], [params[i].grad for i in indices],
+                                    alpha=-rate)
+        for index, value in zip(indices, values):
+            results[index] = value
+    return results
 
 
 def _finite(value: torch.Tensor, state: dict[str, Any]) -> bool:
