@@ -60,12 +60,14 @@ class FiniteOptimizerSteps:
                     require_finite_update(value, self._name(param), "sgd")
             return
         if isinstance(optimizer, eager_optimizers.EagerStep) and optimizer.plain():
-            for param in stepped:
-                value, state = optimizer.trial_update(param)
-                if not _finite(value, state):
-                    raise NonFiniteError(f"{type(optimizer).__name__}: the update of {self._name(param)} came out "
-                                         f"non-finite ({param.dtype} overflow) when tried on a copy; no weight "
-                                         "or optimizer state was changed")
+            # Each trial's largest magnitude is kept (a number, not the trial's copies), all read at once.
+            maxima = [_largest_magnitude(*optimizer.trial_update(param)) for param in stepped]
+            flags = torch.isfinite(_stacked(maxima)) if maxima else None
+            if flags is not None and not bool(flags.all()):
+                param = stepped[int((~flags).nonzero()[0, 0])]
+                raise NonFiniteError(f"{type(optimizer).__name__}: the update of {self._name(param)} came out "
+                                     f"non-finite ({param.dtype} overflow) when tried on a copy; no weight "
+                                     "or optimizer state was changed")
             return
         self.kept = [(p, p.detach().clone(), _copy_state(optimizer.state.get(p))) for p in stepped]
 
@@ -125,6 +127,27 @@ def _sgd_results(params: list[torch.Tensor], rates: dict[int, float]) -> list[to
         for index, value in zip(indices, values):
             results[index] = value
     return results
+
+
+def _largest_magnitude(value: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+    """The largest magnitude among a weight and its optimizer state, a scalar tensor on the weight's device: NaN or
+    infinite exactly when one of their entries is (amax keeps a NaN)."""
+    tensors = [t for t in (value, *state.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()
+               and t.numel() and t.device == value.device]
+    others = [t for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+              and t.device != value.device]  # a state on another device (Adam's step count may sit on the CPU)
+    if not tensors:
+        return torch.zeros((), device=value.device)
+    largest = torch.stack(torch._foreach_norm(tensors, float("inf"))).amax()
+    if others and not all(bool(torch.isfinite(t).all()) for t in others):
+        return largest.new_full((), float("nan"))
+    return largest
+
+
+def _stacked(scalars: list[torch.Tensor]) -> torch.Tensor:
+    """Scalars of any float dtype, on one device (the first one's) where they sit on several."""
+    device = scalars[0].device
+    return torch.stack([s if s.device == device else s.to(device) for s in scalars])
 
 
 def _finite(value: torch.Tensor, state: dict[str, Any]) -> bool:
