@@ -24,6 +24,7 @@ alternation spreads whatever else the machine is doing over both. Their rows are
 
   .venv/bin/python tools/bench_export.py --model ~/.cache/edgetrain/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
   .venv/bin/python tools/bench_export.py --model tiny --seq 32 --steps 3 --repeats 1   # a quick look
+  --work DIR keeps the exports: a second run with the same flags measures again without exporting again
 """
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-joint", action="store_true", help="leave out the joint-graph export")
     parser.add_argument("--build", default=str(REPO / "build" / "native"), help="where the runners are built")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--work", default=None,
+                        help="the folder for the exports and batches (default: a new temporary one); a folder an "
+                             "earlier run with the same flags filled is reused, its programs not exported again")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
@@ -117,7 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mesp_runner = build_runner(args.build, target=MESP_RUNNER)
     joint_runner = None if args.skip_joint else build_runner(args.build, target=RUNNER)
-    work = Path(tempfile.mkdtemp(prefix="bench-export-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-export-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # What the folder's exports were made from: written once all of them are, so a run stopped half-way reuses none.
+    flags = {name: getattr(args, name) for name in ("model", "seq", "batch", "rank", "steps", "layers")}
+    flags_file = work / "flags.json"
+    reuse = flags_file.exists() and json.loads(flags_file.read_text()) == flags
+    if flags_file.exists() and not reuse:
+        parser.error(f"--work {work} holds the exports of other flags ({flags_file.read_text().strip()}); "
+                     "name another folder")
 
     def lora_model(**options):
         torch.manual_seed(0)
@@ -129,16 +141,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = lora_model()
     stream_args = argparse.Namespace(data=None, batch=args.batch, seed=0, seq=args.seq)
     batches = list(itertools.islice(batch_stream(model, stream_args), args.steps))
-    batch_file = write_batch_file(work / "batches.bin", batches)
+    batch_file = work / "batches.bin"
+    if not reuse:
+        write_batch_file(batch_file, batches)
     print(f"model {args.model} ({len(model.blocks)} blocks, LoRA r{args.rank}), seq {args.seq} x batch {args.batch}, "
-          f"{args.steps} steps an arm", flush=True)
+          f"{args.steps} steps an arm" + (f"; the exports in {work} reused" if reuse else ""), flush=True)
 
-    programs = {"runner, packed": export_mesp_program(model, args.batch, args.seq, work / "packed.pte")[0],
-                "packed, no XNNPACK": export_mesp_program(model, args.batch, args.seq, work / "packed-plain.pte",
-                                                          delegate="none")[0]}
+    if reuse:
+        programs = {"runner, packed": work / "packed.pte", "packed, no XNNPACK": work / "packed-plain.pte",
+                    "runner, fp32": work / "fp32.pte"}
+    else:
+        programs = {"runner, packed": export_mesp_program(model, args.batch, args.seq, work / "packed.pte")[0],
+                    "packed, no XNNPACK": export_mesp_program(model, args.batch, args.seq,
+                                                              work / "packed-plain.pte", delegate="none")[0]}
+        programs["runner, fp32"] = export_mesp_program(lora_model(quantized=False), args.batch, args.seq,
+                                                       work / "fp32.pte")[0]
+        flags_file.write_text(json.dumps(flags))
     del model
-    programs["runner, fp32"] = export_mesp_program(lora_model(quantized=False), args.batch, args.seq,
-                                                   work / "fp32.pte")[0]
 
     def torch_arm() -> dict:
         output = run([sys.executable, "-c", _TORCH_CHILD, json.dumps(

@@ -303,7 +303,8 @@ class PackedMatrix(nn.Module):
                 yield start, stop, self.dequantize_rows(start, stop, dtype, device, scratch=True)
                 continue
             # The compiled kernel straight from the matrix's own tensors: checked once above, not a tile.
-            tile = _scratch("dense", (stop - start) * self.cols, torch.float32, self.device).view(stop - start, self.cols)
+            rows = stop - start
+            tile = _scratch("dense", rows * self.cols, torch.float32, self.device).view(rows, self.cols)
             kernel_rows.fill(tile, start, stop)
             yield start, stop, tile
 
@@ -412,18 +413,8 @@ def _check_zero_point(zero_point: int | None, bits: int) -> int | None:
     return zero_point
 
 
-class _Rows(NamedTuple):
-    """Some rows of a PackedMatrix's tensors (None where its layout has none) and its codebook."""
-    codes: torch.Tensor
-    high_codes: torch.Tensor | None
-    scales: torch.Tensor
-    scale_steps: torch.Tensor | None
-    biases: torch.Tensor | None
-    bias_steps: torch.Tensor | None
-    codebook: torch.Tensor | None
-
-    def to(self, device: Any) -> "_Rows":
-        return _Rows(*(None if t is None else t.to(device) for t in self))
+# Some rows of a PackedMatrix's tensors and its codebook, as the tile kernel reads them too.
+_Rows = tile_kernel.PackedParts
 
 
 def _unpack_plane(plane: torch.Tensor, bits: int, out: torch.Tensor) -> None:

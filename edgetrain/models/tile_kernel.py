@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -69,11 +69,9 @@ def _plain(tensor: torch.Tensor | None, dtypes: tuple[torch.dtype, ...], shape: 
 _STORED = (torch.float16, torch.float32)
 
 
-@dataclass(frozen=True)
-class KernelRows:
-    """A packed matrix's tensors, checked once for the kernel (`plan`): `fill` dequantises any range of its
-    rows, the kernel reading from that row's bytes on. A tile loop asks for one plan and fills each tile from
-    it, so the checks and the slicing of six tensors are not paid a tile."""
+class PackedParts(NamedTuple):
+    """Rows of a packed matrix's tensors (None where its layout has none) and its codebook: what
+    edgetrain.models.quantized.PackedMatrix holds, and what the kernel reads."""
     codes: torch.Tensor
     high_codes: torch.Tensor | None
     scales: torch.Tensor
@@ -81,6 +79,17 @@ class KernelRows:
     biases: torch.Tensor | None
     bias_steps: torch.Tensor | None
     codebook: torch.Tensor | None
+
+    def to(self, device: Any) -> "PackedParts":
+        return PackedParts(*(None if t is None else t.to(device) for t in self))
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """A packed matrix's tensors, checked once for the kernel (`plan`): `fill` dequantises any range of its
+    rows, the kernel reading from that row's bytes on. A tile loop asks for one plan and fills each tile from
+    it, so the checks and the slicing of six tensors are not paid a tile."""
+    parts: PackedParts
     low_bits: int
     high_bits: int
     group_size: int
@@ -89,11 +98,11 @@ class KernelRows:
 
     @property
     def rows(self) -> int:
-        return self.codes.shape[0]
+        return self.parts.codes.shape[0]
 
     @property
     def cols(self) -> int:
-        return self.codes.shape[1] * 8 // self.low_bits
+        return self.parts.codes.shape[1] * 8 // self.low_bits
 
     def fill(self, out: torch.Tensor, start: int, stop: int) -> None:
         """Dequantise rows [start, stop) into `out`, a contiguous float32 CPU tensor of (stop - start) x cols
@@ -105,18 +114,20 @@ class KernelRows:
                              f"of {out.numel()} {out.dtype} entries on {out.device}")
         if rows == 0:
             return
-        groups, blocks = self.cols // self.group_size, self.scales.shape[1]
+        groups, blocks = self.cols // self.group_size, self.parts.scales.shape[1]
 
         def at(tensor: torch.Tensor | None, row_entries: int) -> int:  # the address of row `start`'s first entry
             return 0 if tensor is None else tensor.data_ptr() + start * row_entries * tensor.element_size()
 
-        _tile_kernel.dequantize_rows(out.data_ptr(), at(self.codes, self.codes.shape[1]), self.low_bits,
-                                     at(self.high_codes, 0 if self.high_codes is None else self.high_codes.shape[1]),
-                                     self.high_bits, rows, self.cols, self.group_size, self.offset,
-                                     at(self.scales, blocks), int(self.scales.dtype == torch.float16), groups // blocks,
-                                     at(self.scale_steps, groups), at(self.biases, blocks), at(self.bias_steps, groups),
-                                     -1 if self.subtracts_bias else 1,
-                                     0 if self.codebook is None else self.codebook.data_ptr(), torch.get_num_threads())
+        parts = self.parts
+        high_row = 0 if parts.high_codes is None else parts.high_codes.shape[1]
+        _tile_kernel.dequantize_rows(out.data_ptr(), at(parts.codes, parts.codes.shape[1]), self.low_bits,
+                                     at(parts.high_codes, high_row), self.high_bits, rows, self.cols, self.group_size,
+                                     self.offset, at(parts.scales, blocks), int(parts.scales.dtype == torch.float16),
+                                     groups // blocks, at(parts.scale_steps, groups), at(parts.biases, blocks),
+                                     at(parts.bias_steps, groups), -1 if self.subtracts_bias else 1,
+                                     0 if parts.codebook is None else parts.codebook.data_ptr(),
+                                     torch.get_num_threads())
 
 
 def plan(codes: torch.Tensor, low_bits: int, high_codes: torch.Tensor | None, high_bits: int, group_size: int,
@@ -153,9 +164,9 @@ def plan(codes: torch.Tensor, low_bits: int, high_codes: torch.Tensor | None, hi
     if codebook is not None and (biases is not None or offset
                                  or not _plain(codebook, (torch.float32,), (2 ** (low_bits + high_bits),))):
         return None
-    return KernelRows(codes, high_codes if high_bits else None, scales, scale_steps, biases,
-                      bias_steps if biases is not None else None, codebook, low_bits, high_bits, group_size, offset,
-                      subtracts_bias)
+    parts = PackedParts(codes, high_codes if high_bits else None, scales, scale_steps, biases,
+                        bias_steps if biases is not None else None, codebook)
+    return KernelRows(parts, low_bits, high_bits, group_size, offset, subtracts_bias)
 
 
 def dequantize_rows(out: torch.Tensor, codes: torch.Tensor, low_bits: int, high_codes: torch.Tensor | None,

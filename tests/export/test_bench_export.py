@@ -21,8 +21,23 @@ def test_bench_export_smoke(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "figures.json"
-    assert bench.main(["--model", "tiny", "--seq", "16", "--steps", "2", "--repeats", "2", "--skip-joint", "--build",
-                       str(tmp_path / "build"), "--json", str(out)]) == 0
+    work = tmp_path / "exports"
+    flags = ["--model", "tiny", "--seq", "16", "--steps", "2", "--skip-joint", "--build", str(tmp_path / "build"),
+             "--work", str(work)]
+    assert bench.main([*flags, "--repeats", "2", "--json", str(out)]) == 0
+    # --work keeps the exports: the same flags measure again without exporting, other flags are refused.
+    import edgetrain.export.mesp_program as mesp_program
+
+    exported = mesp_program.export_mesp_program
+    mesp_program.export_mesp_program = lambda *a, **k: pytest.fail("exported again")
+    try:
+        again = tmp_path / "again.json"
+        assert bench.main([*flags, "--repeats", "1", "--json", str(again)]) == 0
+        assert json.loads(again.read_text())["rows"]["runner, packed"]["step_s"] > 0
+        with pytest.raises(SystemExit):
+            bench.main([*flags[:3], "32", *flags[4:]])
+    finally:
+        mesp_program.export_mesp_program = exported
     figures = json.loads(out.read_text())
     assert set(figures["rows"]) == {"torch mesp", "runner, packed", "packed, no XNNPACK", "runner, fp32"}
     for row in figures["rows"].values():
