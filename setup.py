@@ -6,6 +6,8 @@ where edgetrain is installed, in up to two tries:
 1. with OpenMP, so a tile's rows are shared between the threads torch computes with. It links libgomp.so.1,
    the soname torch's own OpenMP runtime has (torch/lib/libgomp.so.1): loaded after torch, the kernel finds
    that library already in the process and uses its thread pool, so no second pool competes with torch's.
+   (A wheel repaired by auditwheel would carry its own libgomp under another soname, and with it a second thread
+   pool beside torch's: build from source, as edgetrain's install does.)
 2. without it (a compiler with no OpenMP: Apple's clang), one thread.
 
 Optional: where neither builds (no C compiler) the install goes on without the kernel and torch's kernels
