@@ -29,7 +29,8 @@ import fault_tally
 pytest.importorskip("executorch.exir", reason="ExecuTorch not installed: pip install 'edgetrain[export]'")
 
 from edgetrain.export import make_trainable, read_batch_file, write_batch_file  # noqa: E402
-from edgetrain.export.mesp_program import AdamWSettings, MeSPProgramTrainer, export_mesp_program  # noqa: E402
+from edgetrain.export.mesp_program import (FORMAT_VERSION, AdamWSettings, MeSPProgramTrainer,  # noqa: E402
+                                           export_mesp_program)
 from edgetrain.export.native import MESP_RUNNER, build_runner  # noqa: E402
 from edgetrain.export.weights_file import WeightsFile  # noqa: E402
 
@@ -288,7 +289,9 @@ def _forge(data: bytes, how: str) -> bytes:
         "misaligned data": lambda: struct.pack_into("<Q", out, cos["offset_at"], cos["offset"] + 1),
         "ndim 9": lambda: struct.pack_into("<I", out, cos["ndim_at"], 9),
         "dtype code 7": lambda: struct.pack_into("<I", out, cos["code_at"], 7),
-        "format version 3": lambda: struct.pack_into("<q", out, meta["offset"], 3),
+        # The version before this one (another layout of the codes) and one from a newer edgetrain.
+        "the previous format version": lambda: struct.pack_into("<q", out, meta["offset"], FORMAT_VERSION - 1),
+        "a newer format version": lambda: struct.pack_into("<q", out, meta["offset"], FORMAT_VERSION + 1),
         "meta: negative blocks": lambda: struct.pack_into("<q", out, meta["offset"] + 8, -1),
         "meta: 2^40 blocks": lambda: struct.pack_into("<q", out, meta["offset"] + 8, 1 << 40),
         "meta: batch 4, not the program's 2": lambda: struct.pack_into("<q", out, meta["offset"] + 16, 4),
@@ -320,7 +323,8 @@ REPLAY_READS = {"meta: hidden 2^30": False, "meta: adapter numel 1": False,
 FORGERIES = ["manifest length 2^63", "manifest length past the end", "tensor count 2^32-1", "name length 2^32-1",
              "dims 2^32 x 2^32 over 0 bytes", "dims whose product wraps to the size", "a negative dimension",
              "data offset that wraps", "data past the end", "nbytes 2^63", "misaligned data", "ndim 9",
-             "dtype code 7", "format version 3", "meta: negative blocks", "meta: 2^40 blocks",
+             "dtype code 7", "the previous format version", "a newer format version", "meta: negative blocks",
+             "meta: 2^40 blocks",
              "meta: batch 4, not the program's 2", "meta: hidden 2^30", "meta: adapter numel 1",
              "an input list past the tensors", "a negative input index", "a frozen matrix transposed",
              "a frozen matrix's dtype changed", "an input list naming another tensor", "rope.cos renamed",
