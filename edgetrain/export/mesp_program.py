@@ -422,11 +422,16 @@ class AdamWSettings:
     def __post_init__(self) -> None:
         self.lr = check_learning_rate(self.lr)
         beta1, beta2 = self.betas
-        for name, value, low, high in (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0),
-                                       ("eps", self.eps, 0.0, math.inf), ("weight_decay", self.weight_decay, 0.0,
-                                                                         math.inf)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value < high):
-                raise EdgetrainError(f"AdamW {name} must be a finite number in [{low}, {high}), got {value!r}")
+        # The native runner's bounds (targets/executorch/mesp_runner.cpp, its flags): what the replay takes, the
+        # runner takes. eps 0 would divide a zero gradient's 0 by 0 (every such step refused as non-finite).
+        for name, value, low, high, low_open in (("beta1", beta1, 0.0, 0.999999, False),
+                                                 ("beta2", beta2, 0.0, 0.999999999, False),
+                                                 ("eps", self.eps, 0.0, 1.0, True),
+                                                 ("weight_decay", self.weight_decay, 0.0, 1e6, False)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and (low < value if low_open else low <= value) and value <= high):
+                raise EdgetrainError(f"AdamW {name} must be a finite number in {'(' if low_open else '['}{low:g}, "
+                                     f"{high:g}], got {value!r}")
 
     def scalars(self, step: int) -> torch.Tensor:
         """adamw's scalar input for update number `step` (from 1), computed in double as torch.optim does."""

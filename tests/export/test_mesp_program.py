@@ -189,6 +189,12 @@ def test_bad_optimizer_settings_and_output_paths_are_named_errors(tmp_path):
         AdamWSettings(lr=float("nan"))
     with pytest.raises(edgetrain.EdgetrainError, match="beta2"):
         AdamWSettings(betas=(0.9, 1.5))
+    # The native runner's bounds: what the replay takes, the runner takes (eps 0 would divide 0 by 0).
+    for bad in (dict(eps=0.0), dict(eps=1.5), dict(eps=True), dict(betas=(1.0, 0.999)), dict(weight_decay=2e6)):
+        name = next(iter(bad)).replace("betas", "beta1")
+        with pytest.raises(edgetrain.EdgetrainError, match=f"AdamW {name}"):
+            AdamWSettings(**bad)
+    assert AdamWSettings(eps=1.0, betas=(0.0, 0.0), weight_decay=0.0).eps == 1.0  # the runner's edges, valid
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(edgetrain.EdgetrainError, match="a-file"):
