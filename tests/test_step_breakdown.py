@@ -8,7 +8,8 @@ import edgetrain
 from edgetrain.data.batch import Batch
 from edgetrain.models import quantized, tile_kernel
 from edgetrain.profiler.compute_floor import measure_compute_floor
-from edgetrain.profiler.step_breakdown import breakdown_line, dispatch_seconds_per_call, measure_step_breakdown
+from edgetrain.profiler.step_breakdown import (breakdown_line, dispatch_seconds_per_call, measure_step_breakdown,
+                                               times_operators_on)
 
 
 def test_products_and_other_operators_are_told_apart_and_the_rest_is_what_the_step_took_beyond_them():
@@ -70,3 +71,9 @@ def test_the_report_line_adds_the_parts_up_to_s_floor():
 
 def test_the_dispatch_share_is_what_an_operator_that_does_nothing_costs():
     assert 0 < dispatch_seconds_per_call(repeats=51) < 1e-3
+
+
+def test_the_breakdown_is_taken_where_a_call_times_its_work():
+    """A GPU call returns once its kernel is queued: no breakdown there (a CPU one is)."""
+    assert times_operators_on(torch.device("cpu")) and times_operators_on("cpu")
+    assert not times_operators_on(torch.device("cuda", 0)) and not times_operators_on("mps")

@@ -31,6 +31,12 @@ from edgetrain.profiler.compute_floor import _SHAPES
 PARTS = ("products_in_step_seconds", "other_operators_seconds", "tile_dequantising_seconds")
 
 
+def times_operators_on(device: torch.device) -> bool:
+    """Whether a call's wall time is its operator's work on `device`: on a CPU; on a GPU a call returns once its
+    kernel is queued, so the breakdown is not taken there (the profile's record leaves its fields out)."""
+    return torch.device(device).type == "cpu"
+
+
 class OperatorTimer(TorchDispatchMode):
     """Wall time of every torch operator call inside it, products apart from the rest."""
 

@@ -163,11 +163,12 @@ def profile_torch_method(config) -> dict[str, Any]:
     from edgetrain.profiler.compute_floor import measure_compute_floor
 
     record.update(measure_compute_floor(lambda: learner.step(batch), record["step_seconds"]))
-    _progress(f"[{config.method}] step breakdown (every operator and tile timed)")
-    from edgetrain.profiler.step_breakdown import measure_step_breakdown
+    from edgetrain.profiler.step_breakdown import measure_step_breakdown, times_operators_on
 
-    record.update(measure_step_breakdown(lambda: learner.step(batch), record["step_seconds"],
-                                         record["floor_seconds"]))
+    if times_operators_on(batch.inputs.device):
+        _progress(f"[{config.method}] step breakdown (every operator and tile timed)")
+        record.update(measure_step_breakdown(lambda: learner.step(batch), record["step_seconds"],
+                                             record["floor_seconds"]))
 
     _progress(f"[{config.method}] tensor accounting step")
     accountant = TensorAccountant(model=model)
