@@ -25,8 +25,9 @@ input the backward lets go of (held since the forward, so part of whatever peak 
 for that many bytes (`make_room`), and the largest free buffers that fit in it stay for the next block's MLP.
 The step then never holds more than it did with the input still stored, and after a few blocks the MLP's
 buffers are no longer mapped afresh each block. On SmolLM2-135M Q4_K_M (seq 128 x batch 2, this 2-core
-machine, 2026-12-08) that took a step's page faults from 103,000 to 44,000 and the step 6% faster (in-process
-A/B, six alternating rounds: 1.198 s against 1.278), the peak unchanged (26.5 MiB).
+machine, 2026-12-08) that took a step's page faults from 104,000 to 47,000 (`edgetrain profile --json`'s
+`minor_faults_per_step`), the peak unchanged (26.5 MiB of tensors), and the step 6% faster (1.198 s against
+1.278 in six alternating rounds of an in-process harness that switched the rule, not kept in tools/).
 
 Off (the plain allocator for every tensor): outside `step_buffers()`, where the reference count cannot be read
 (a torch without `_storage_Use_Count`), on accelerators (their caching allocators already reuse memory), and
