@@ -259,14 +259,18 @@ class PackedMatrix(nn.Module):
     def _dequantize_compiled(self, parts: "_Rows", dense: torch.Tensor) -> bool:
         """Fill float32 `dense` in one pass of the compiled tile kernel (edgetrain.models.tile_kernel), in the
         torch path's arithmetic; False where the kernel is not built or cannot take these rows."""
-        if not tile_kernel.available() or dense.device.type != "cpu":
-            return False
+        rows = self._kernel_plan(parts)
+        return rows is not None and rows.fill_whole(dense)
+
+    def _kernel_plan(self, parts: "_Rows") -> "tile_kernel.KernelRows | None":
+        """These packed rows with this matrix's layout as the compiled tile kernel reads them, or None where it
+        is off or cannot take them (tile_kernel.plan)."""
         layout = self.layout
         low_bits, high_bits = layout.planes
         codebook = None if parts.codebook is None else parts.codebook.to(torch.float32)
-        return tile_kernel.dequantize_rows(dense, parts.codes, low_bits, parts.high_codes, high_bits, layout.group_size,
-                                           -(layout.zero_point or 0), parts.scales, parts.scale_steps, parts.biases,
-                                           parts.bias_steps, layout.subtracts_bias, codebook)
+        return tile_kernel.plan(parts.codes, low_bits, parts.high_codes, high_bits, layout.group_size,
+                                -(layout.zero_point or 0), parts.scales, parts.scale_steps, parts.biases,
+                                parts.bias_steps, layout.subtracts_bias, codebook)
 
     def _group_values(self, stored: torch.Tensor, steps: torch.Tensor | None, work: torch.dtype) -> torch.Tensor:
         """One scale (or bias) a group: the stored values, or, with steps, each block's stored value times its
@@ -315,11 +319,7 @@ class PackedMatrix(nn.Module):
                 or self._work_dtype(dtype) != torch.float32 or (self.dtype if dtype is None else dtype) != torch.float32
                 or _under_functorch()):
             return None
-        low_bits, high_bits = self.layout.planes
-        return tile_kernel.plan(self.codes, low_bits, self.high_codes, high_bits, self.group_size,
-                                -(self.layout.zero_point or 0), self.scales, self.scale_steps, self.biases,
-                                self.bias_steps, self.layout.subtracts_bias,
-                                None if self.codebook is None else self.codebook.to(torch.float32))
+        return self._kernel_plan(self._packed_rows(slice(None)))
 
     def dequantize(self, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
         """The whole dense [rows, cols] matrix in `dtype` (the layer's by default)."""

@@ -104,6 +104,14 @@ class KernelRows:
     def cols(self) -> int:
         return self.parts.codes.shape[1] * 8 // self.low_bits
 
+    def fill_whole(self, out: torch.Tensor) -> bool:
+        """Dequantise every row into `out` when it is a contiguous float32 CPU [rows, cols] tensor; else False,
+        `out` untouched."""
+        if not _plain(out, (torch.float32,), (self.rows, self.cols)):
+            return False
+        self.fill(out, 0, self.rows)
+        return True
+
     def fill(self, out: torch.Tensor, start: int, stop: int) -> None:
         """Dequantise rows [start, stop) into `out`, a contiguous float32 CPU tensor of (stop - start) x cols
         entries (checked here: every other address was checked by `plan`)."""
@@ -177,9 +185,4 @@ def dequantize_rows(out: torch.Tensor, codes: torch.Tensor, low_bits: int, high_
     when the kernel is off or cannot take these tensors as they are."""
     rows_plan = plan(codes, low_bits, high_codes, high_bits, group_size, offset, scales, scale_steps, biases,
                      bias_steps, subtracts_bias, codebook)
-    if rows_plan is None or out.dim() != 2 or tuple(out.shape) != (rows_plan.rows, rows_plan.cols):
-        return False
-    if not _plain(out, (torch.float32,), tuple(out.shape)):
-        return False
-    rows_plan.fill(out, 0, rows_plan.rows)
-    return True
+    return rows_plan is not None and rows_plan.fill_whole(out)
